@@ -1,0 +1,32 @@
+# `make run` and `make test` work on a fresh machine: they build .venv from nothing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+CHECKPOINT := checkpoints/tiny
+
+.PHONY: run test install clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install 'setuptools<82' wheel
+	# The CPU build of torch 2.13 (a bare `torch` would pull several GB of CUDA wheels).
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	# Upstream, for the parity tests only: no dependencies, see tests/parity/standins.
+	$(PIP) install --no-deps fish-speech==0.1.0 descript-audio-codec==1.0.0
+	touch $@
+
+install: $(VENV)/.installed
+
+$(CHECKPOINT)/config.json: | $(VENV)/.installed
+	$(VENV)/bin/fish-sm make-checkpoint $(CHECKPOINT) --preset tiny --seed 0
+
+run: $(VENV)/.installed $(CHECKPOINT)/config.json
+	$(VENV)/bin/fish-sm synthesize $(CHECKPOINT) "Hello from fish-sm. This sentence was synthesized on a tiny random checkpoint." -o out/hello.wav --seed 0
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) checkpoints out

@@ -1,0 +1,109 @@
+"""The `fish-sm` command line. Thin: parse options, call the package, print results.
+
+Heavy imports (torch) happen inside the commands that need them, so `fish-sm --help`
+stays fast. Errors the user can fix print one line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+
+def friendly_errors(fn):
+    """Turn our errors (and missing files) into one-line messages instead of tracebacks."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from fish_sm.errors import FishSMError
+
+        try:
+            return fn(*args, **kwargs)
+        except FishSMError as exc:
+            raise click.ClickException(str(exc)) from None
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="fish-sm")
+def main():
+    """Serve the OpenAudio S1-mini text-to-speech model on SageMaker."""
+
+
+@main.command("make-checkpoint")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--preset", type=click.Choice(["tiny", "s1-mini"]), default="tiny", show_default=True,
+              help="tiny: runs on a CPU in seconds; s1-mini: the real shapes, for GPU benchmarks.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@friendly_errors
+def make_checkpoint(directory: Path, preset: str, seed: int):
+    """Write a checkpoint with random weights in the official file formats."""
+    from fish_sm.model.checkpoint import FILES, write_checkpoint
+
+    write_checkpoint(directory, preset=preset, seed=seed)
+    click.echo(f"wrote {preset} checkpoint to {directory}: {', '.join(FILES)}")
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("text")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("out.wav"),
+              show_default=True, help="Audio file to write; the format follows the extension (wav, flac, ogg).")
+@click.option("--reference", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Reference recording of the voice to imitate.")
+@click.option("--reference-text", help="Transcript of --reference.")
+@click.option("--temperature", type=float, default=0.8, show_default=True)
+@click.option("--top-p", type=float, default=0.8, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.1, show_default=True)
+@click.option("--max-new-tokens", type=int, default=1024, show_default=True, help="Frames per text chunk at most.")
+@click.option("--chunk-length", type=int, default=200, show_default=True, help="Characters per text chunk at most.")
+@click.option("--seed", type=int, default=None)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--stream", is_flag=True, help="Decode audio while generating (prints time to first audio).")
+@friendly_errors
+def synthesize(checkpoint, text, output, reference, reference_text, temperature, top_p, repetition_penalty,
+               max_new_tokens, chunk_length, seed, device, dtype, stream):
+    """Speak TEXT with the checkpoint in CHECKPOINT and write it to --output."""
+    import time
+
+    import numpy as np
+    import soundfile as sf
+
+    from fish_sm.engine import Engine
+
+    if (reference is None) != (reference_text is None):
+        raise click.UsageError("--reference and --reference-text go together")
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(checkpoint, device=device, dtype=dtype)
+    click.echo(f"loaded {checkpoint} on {engine.device} in {time.perf_counter() - t0:.2f} s")
+    ref = engine.encode_reference(reference, reference_text) if reference else None
+    sampling = dict(temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
+                    max_new_tokens=max_new_tokens, seed=seed)
+    if stream:
+        t1 = time.perf_counter()
+        first, pieces = None, []
+        for piece in engine.stream(text, ref, chunk_length=chunk_length, **sampling):
+            first = first or time.perf_counter() - t1
+            pieces.append(piece)
+        wall = time.perf_counter() - t1
+        audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        frames, seconds = len(audio) // engine.frame_length, len(audio) / engine.sample_rate
+        rtf = wall / seconds if seconds else float("inf")
+        click.echo(f"time to first audio: {first or 0:.3f} s")
+    else:
+        result = engine.synthesize(text, ref, chunk_length=chunk_length, **sampling)
+        audio, frames, seconds, rtf = result.audio, result.frames, result.seconds, result.rtf
+    output.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(output, audio, engine.sample_rate)
+    click.echo(f"wrote {output}: {seconds:.2f} s of audio, {frames} frames, real-time factor {rtf:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

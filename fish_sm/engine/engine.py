@@ -1,0 +1,233 @@
+"""`Engine`: one checkpoint on one device, from text (and optional reference voices) to audio.
+
+Long text is spoken chunk by chunk; each chunk's prompt holds the references and the
+previous chunk (its text and the codes just generated for it), so the voice carries
+over. All chunks' codes form one sequence that the causal codec turns into one
+continuous waveform, decoded at the end (`synthesize`) or as frames arrive (`stream`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fish_sm.errors import InputError
+from fish_sm.engine.audio import AudioInput, load_reference_audio
+from fish_sm.engine.generate import generate_frames
+from fish_sm.engine.prompt import build_prompt
+from fish_sm.engine.sampling import SamplingParams
+from fish_sm.engine.text import split_text
+from fish_sm.model.checkpoint import find_model_file
+from fish_sm.model.codec import Codec, load_codec
+from fish_sm.model.config import ModelConfig
+from fish_sm.model.dual_ar import DualARTransformer, load_dual_ar
+from fish_sm.model.tokenizer import Tokenizer
+
+DEFAULT_CHUNK_LENGTH = 200  # characters; upstream accepts 100..300
+SILENCE_PEAK = 1e-4
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A voice to imitate: its transcript and its codes [num_codebooks, frames] (on the CPU)."""
+
+    text: str
+    codes: Tensor
+
+
+@dataclass
+class Synthesis:
+    audio: np.ndarray  # float32, mono
+    sample_rate: int
+    frames: int
+    seconds: float
+    rtf: float  # wall time / audio duration: below 1 is faster than real time
+    timings: dict[str, float] = field(default_factory=dict)
+    codes: Tensor | None = None  # [num_codebooks, frames]
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                 "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(names)}")
+        return names[dtype]
+    return dtype
+
+
+class Engine:
+    def __init__(self, model: DualARTransformer, codec: Codec, tokenizer: Tokenizer, reference_cache_size: int = 64):
+        self.model, self.codec, self.tokenizer = model, codec, tokenizer
+        self.config: ModelConfig = model.config
+        self.device = model.embeddings.weight.device
+        self.sample_rate = codec.sample_rate
+        self.frame_length = codec.frame_length
+        self._references: OrderedDict[str, Tensor] = OrderedDict()
+        self._reference_cache_size = reference_cache_size
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+                        codec_dtype: str | torch.dtype | None = None, max_seq_len: int | None = None) -> "Engine":
+        """Load a checkpoint directory (config.json, model.pth, codec.pth, tokenizer files).
+
+        CUDA with bf16 when present, else CPU with float32. `max_seq_len` caps the KV
+        cache below the model's limit to save memory.
+        """
+        path = Path(path)
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        config = ModelConfig.from_file(path / "config.json")
+        tokenizer = Tokenizer.from_dir(path)
+        model = load_dual_ar(find_model_file(path, "model"), config, tokenizer.semantic_begin_id,
+                             tokenizer.im_end_id, device=device, dtype=dtype)
+        model.setup_caches(1, min(max_seq_len or config.max_seq_len, config.max_seq_len))
+        codec = load_codec(find_model_file(path, "codec"), device=device,
+                           dtype=resolve_dtype(codec_dtype or dtype, device))
+        return cls(model, codec, tokenizer)
+
+    # -- references ---------------------------------------------------------------
+
+    def encode_reference(self, audio: AudioInput, text: str) -> Reference:
+        """Codes for a reference recording (wav/flac/ogg bytes, a path, or (samples, rate)).
+
+        Encoding is cached by the SHA-256 of the audio, so a voice sent with every
+        request is encoded once.
+        """
+        if not isinstance(text, str):
+            raise InputError("the reference transcript must be a string")
+        key = _audio_key(audio)
+        codes = self._references.get(key)
+        if codes is not None:
+            self._references.move_to_end(key)
+            return Reference(text, codes)
+        samples = load_reference_audio(audio, self.sample_rate)
+        if np.abs(samples).max() < SILENCE_PEAK:
+            raise InputError("the reference audio is silent")
+        with torch.inference_mode():
+            x = torch.from_numpy(samples).to(self.device, self.codec_dtype)[None]
+            codes = self.codec.encode(x)[0].cpu()
+        self._references[key] = codes
+        if len(self._references) > self._reference_cache_size:
+            self._references.popitem(last=False)
+        return Reference(text, codes)
+
+    @property
+    def codec_dtype(self) -> torch.dtype:
+        return next(self.codec.parameters()).dtype
+
+    # -- synthesis ----------------------------------------------------------------
+
+    def frames(self, text: str, references: Sequence[Reference] = (), chunk_length: int = DEFAULT_CHUNK_LENGTH,
+               params: SamplingParams = SamplingParams()) -> Iterator[Tensor]:
+        """Codes frame by frame ([num_codebooks] on the device), over all chunks of `text`."""
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("text must be a non-empty string")
+        if isinstance(chunk_length, bool) or not isinstance(chunk_length, int) or chunk_length < 1:
+            raise InputError(f"chunk_length must be a positive integer, got {chunk_length!r}")
+        generator = torch.Generator(self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        turns = [(r.text, r.codes) for r in references]
+        previous: list[tuple[str, Tensor]] = []
+        for chunk in split_text(text, chunk_length):
+            prompt = build_prompt(self.tokenizer, self.config.num_codebooks, turns + previous, chunk)
+            if previous and prompt.shape[1] + 1 >= self.model.max_seq_len:
+                prompt = build_prompt(self.tokenizer, self.config.num_codebooks, turns, chunk)
+            produced = []
+            for frame in generate_frames(self.model, prompt, params, generator):
+                produced.append(frame[1:])
+                yield frame[1:]
+            previous = [(chunk, torch.stack(produced, dim=1).cpu())] if produced else []
+
+    def synthesize(self, text: str, reference: Reference | Sequence[Reference] | None = None,
+                   chunk_length: int = DEFAULT_CHUNK_LENGTH, **sampling) -> Synthesis:
+        """Speak `text` (in the voice of `reference`, if given). `sampling`: temperature,
+        top_p, repetition_penalty, max_new_tokens (per chunk), seed."""
+        params = SamplingParams(**sampling)
+        t0 = time.perf_counter()
+        frames = list(self.frames(text, _as_list(reference), chunk_length, params))
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            if frames:
+                codes = torch.stack(frames, dim=1)
+                audio = self.codec.decode(codes[None])[0].float().cpu().numpy()
+            else:
+                codes = torch.zeros(self.config.num_codebooks, 0, dtype=torch.long)
+                audio = np.zeros(0, dtype=np.float32)
+        t2 = time.perf_counter()
+        return self._result(audio, codes.cpu(), {"generate": t1 - t0, "decode": t2 - t1, "total": t2 - t0})
+
+    def stream(self, text: str, reference: Reference | Sequence[Reference] | None = None,
+               chunk_length: int = DEFAULT_CHUNK_LENGTH, first_chunk_frames: int = 4, chunk_frames: int = 16,
+               **sampling) -> Iterator[np.ndarray]:
+        """Yield float32 audio as it is generated: after `first_chunk_frames` frames,
+        then every `chunk_frames`. The pieces concatenate to what `synthesize` returns
+        for the same seed."""
+        params = SamplingParams(**sampling)
+        frames = self.frames(text, _as_list(reference), chunk_length, params)
+        decoder = self.codec.streaming_decoder(batch_size=1)
+        pending: list[Tensor] = []
+        want = first_chunk_frames
+        for frame in frames:
+            pending.append(frame)
+            if len(pending) >= want:
+                yield self._push(decoder, pending)
+                pending, want = [], chunk_frames
+        if pending:
+            yield self._push(decoder, pending)
+
+    def _push(self, decoder, frames: list[Tensor]) -> np.ndarray:
+        with torch.inference_mode():
+            return decoder.push(torch.stack(frames, dim=1)[None])[0].float().cpu().numpy()
+
+    def _result(self, audio: np.ndarray, codes: Tensor, timings: dict[str, float]) -> Synthesis:
+        seconds = len(audio) / self.sample_rate
+        return Synthesis(audio=audio.astype(np.float32, copy=False), sample_rate=self.sample_rate,
+                         frames=codes.shape[1], seconds=seconds,
+                         rtf=timings["total"] / seconds if seconds else float("inf"), timings=timings, codes=codes)
+
+
+def _as_list(reference) -> list[Reference]:
+    if reference is None:
+        return []
+    if isinstance(reference, Reference):
+        return [reference]
+    refs = list(reference)
+    if not all(isinstance(r, Reference) for r in refs):
+        raise InputError("reference must be a Reference (from Engine.encode_reference) or a list of them")
+    return refs
+
+
+def _audio_key(audio: AudioInput) -> str:
+    h = hashlib.sha256()
+    if isinstance(audio, tuple):
+        samples, rate = audio
+        h.update(np.ascontiguousarray(samples, dtype=np.float32).tobytes())
+        h.update(str(rate).encode())
+    elif isinstance(audio, (bytes, bytearray, memoryview)):
+        h.update(audio)
+    else:
+        try:
+            h.update(Path(audio).read_bytes())
+        except OSError as exc:
+            raise InputError(f"cannot read reference audio {audio}: {exc.strerror}") from None
+    return h.hexdigest()

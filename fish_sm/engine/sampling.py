@@ -1,0 +1,103 @@
+"""Sampling exactly as upstream fish-speech defines it.
+
+Order of operations: windowed repetition penalty on the raw logits, then top-p on the
+penalised logits, then temperature, then softmax; a token is drawn with the
+exponential-race trick (argmax of probs / Exp(1) noise), which needs no host sync.
+Upstream carries temperature, top-p and the penalty as bfloat16 tensors, so their
+values are rounded to bf16 before use; `SamplingParams` does the same, so a request
+for top_p=0.8 samples with 0.80078125 here as there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fish_sm.errors import InputError
+
+# Upstream's repetition-penalty window, in frames.
+PENALTY_WINDOW = 16
+
+
+def _bf16(x: float) -> float:
+    return float(torch.tensor(float(x), dtype=torch.bfloat16))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_p: float = 0.8
+    repetition_penalty: float = 1.1
+    max_new_tokens: int = 1024
+    seed: int | None = None
+
+    # Ranges upstream's API accepts.
+    RANGES = {"temperature": (0.1, 1.0), "top_p": (0.1, 1.0), "repetition_penalty": (0.9, 2.0)}
+
+    def __post_init__(self):
+        for name, (lo, hi) in self.RANGES.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise InputError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InputError(f"seed must be an integer, got {self.seed!r}")
+
+    def tensors(self, device) -> tuple[Tensor, Tensor, Tensor]:
+        """(temperature, top_p, repetition_penalty) as float32 scalars holding bf16-rounded values."""
+        return tuple(
+            torch.tensor(_bf16(v), dtype=torch.float32, device=device)
+            for v in (self.temperature, self.top_p, self.repetition_penalty)
+        )
+
+
+def apply_repetition_penalty(logits: Tensor, previous: Tensor, penalty: Tensor) -> Tensor:
+    """Penalise each distinct index in `previous` once: positive logits are divided by the
+    penalty, negative ones multiplied. Indices outside [0, V) are ignored, which lets
+    callers pass ids from another vocabulary (see `head_penalty_indices`)."""
+    v = logits.shape[-1]
+    idx = torch.where((previous >= 0) & (previous < v), previous, v).long()
+    hit = torch.zeros(*logits.shape[:-1], v + 1, dtype=torch.bool, device=logits.device)
+    hit.scatter_(-1, idx, True)
+    hit = hit[..., :v]
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(hit, penalised, logits)
+
+
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, repetition_penalty: Tensor,
+                    previous: Tensor | None = None) -> Tensor:
+    """logits [..., V] (float32) -> probabilities [..., V]."""
+    logits = logits.float()
+    if previous is not None:
+        logits = apply_repetition_penalty(logits, previous, repetition_penalty)
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    drop_sorted = cum > top_p
+    drop_sorted[..., 0] = False  # always keep the most likely token
+    drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
+    logits = logits.masked_fill(drop, float("-inf")) / torch.clamp(temperature, min=1e-5)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Draw one index per row: argmax(p / q), q ~ Exp(1), is a sample from p."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return torch.argmax(probs / q, dim=-1)
+
+
+def head_penalty_indices(window_first_frame: Tensor, semantic_begin_id: int, num_semantic: int, im_end_id: int) -> Tensor:
+    """The slow head's penalty indices, as upstream computes them, mapped to our head's rows.
+
+    Upstream penalises the vocabulary ids found in the *first frame* of the 16-frame
+    window (its slow token and its ten codebook ids, read as vocabulary ids). Semantic
+    ids map to rows 0..num_semantic-1, <|im_end|> to the last row; any other id is a
+    row the head does not have, so it is dropped (-1).
+    """
+    t = window_first_frame
+    rows = torch.full_like(t, -1)
+    semantic = (t >= semantic_begin_id) & (t < semantic_begin_id + num_semantic)
+    rows = torch.where(semantic, t - semantic_begin_id, rows)
+    return torch.where(t == im_end_id, num_semantic, rows)

@@ -1,0 +1,1 @@
+"""The networks, gpt-fast style: nothing but torch."""

@@ -1,0 +1,282 @@
+"""The DualAR transformer of S1-mini: a slow transformer over the token sequence and a
+fast transformer over the codebooks of one frame.
+
+Per frame: the slow transformer reads the previous frame (text token or semantic
+token plus its ten codebook ids), and its head picks the next semantic token
+(codebook 0) or `<|im_end|>`. The fast transformer then starts from the slow
+hidden state and emits codebooks 1..9 one at a time, each conditioned on the
+ones before it.
+
+Layout, names and numerics follow upstream (RoPE tables rounded to bf16, RMSNorm in
+float32, GQA), so the official `model.pth` loads unchanged. Two things differ by
+design: the slow head only has the rows it may choose from (the semantic tokens and
+`<|im_end|>`, see `head_rows`), and attention reads the live part of the KV cache only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fish_sm.errors import CheckpointError
+from fish_sm.model.config import ModelConfig
+from fish_sm.model.weights import read_state_dict, strip_prefix, take
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, seq_len: int, n_heads: int, head_dim: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        shape = (batch, n_heads, seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, live: int) -> tuple[Tensor, Tensor]:
+        """Write k/v at `input_pos`; return the first `live` slots (everything attendable)."""
+        self.k[:, :, input_pos] = k
+        self.v[:, :, input_pos] = v
+        return self.k[:, :, :live], self.v[:, :, :live]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_table(seq_len: int, head_dim: int, base: float) -> Tensor:
+    """[seq_len, head_dim/2, 2] cos/sin pairs, rounded to bf16 as upstream stores them."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    cis = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([cis.real, cis.imag], dim=-1).to(torch.bfloat16)
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """x: [B, S, H, D]; rope: [S, D/2, 2]. Adjacent pairs (x0, x1) rotate together."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    r = rope.view(1, xs.size(1), 1, xs.size(3), 2).float()
+    out = torch.stack(
+        [xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1], xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]],
+        dim=-1,
+    )
+    return out.flatten(3).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, n_head, n_local_heads, head_dim, qkv_bias, o_bias, qk_norm, eps):
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = n_head, n_local_heads, head_dim
+        self.wqkv = nn.Linear(dim, (n_head + 2 * n_local_heads) * head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(n_head * head_dim, dim, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int) -> Tensor:
+        bsz, seqlen, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(bsz, seqlen, self.n_head, self.head_dim)
+        k = k.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = self.kv_cache.update(input_pos, k, v, live)
+        # A key is visible to a query at or after its position.
+        mask = torch.arange(live, device=x.device)[None, :] <= input_pos[:, None]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=self.n_head != self.n_local_heads)
+        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim, n_head, n_local_heads, head_dim, hidden, qkv_bias, o_bias, qk_norm, eps):
+        super().__init__()
+        self.attention = Attention(dim, n_head, n_local_heads, head_dim, qkv_bias, o_bias, qk_norm, eps)
+        self.feed_forward = FeedForward(dim, hidden)
+        self.attention_norm = RMSNorm(dim, eps)
+        self.ffn_norm = RMSNorm(dim, eps)
+
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, input_pos, live)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class DualARTransformer(nn.Module):
+    def __init__(self, config: ModelConfig, semantic_begin_id: int, im_end_id: int):
+        super().__init__()
+        c = self.config = config
+        self.semantic_begin_id = semantic_begin_id
+        self.im_end_id = im_end_id
+        self.embeddings = nn.Embedding(c.vocab_size, c.dim)
+        self.codebook_embeddings = nn.Embedding(c.codebook_size * c.num_codebooks, c.dim)
+        self.layers = nn.ModuleList(
+            TransformerBlock(c.dim, c.n_head, c.n_local_heads, c.head_dim, c.intermediate_size,
+                             c.attention_qkv_bias, c.attention_o_bias, c.attention_qk_norm, c.norm_eps)
+            for _ in range(c.n_layer)
+        )
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        # The slow head: row i scores semantic code i, the last row scores <|im_end|>.
+        self.head = nn.Linear(c.dim, c.semantic_vocab + 1, bias=False)
+        self.fast_project_in = nn.Linear(c.dim, c.fast_dim) if c.fast_dim != c.dim else nn.Identity()
+        self.fast_embeddings = nn.Embedding(c.codebook_size, c.fast_dim)
+        self.fast_layers = nn.ModuleList(
+            TransformerBlock(c.fast_dim, c.fast_n_head, c.fast_n_local_heads, c.fast_head_dim, c.fast_intermediate_size,
+                             c.fast_attention_qkv_bias, c.fast_attention_o_bias, c.fast_attention_qk_norm, c.norm_eps)
+            for _ in range(c.n_fast_layer)
+        )
+        self.fast_norm = RMSNorm(c.fast_dim, c.norm_eps)
+        self.fast_output = nn.Linear(c.fast_dim, c.codebook_size, bias=False)
+        self.register_buffer("rope", rope_table(c.max_seq_len, c.head_dim, c.rope_base), persistent=False)
+        self.register_buffer("fast_rope", rope_table(c.num_codebooks, c.fast_head_dim, c.rope_base), persistent=False)
+        self.register_buffer("codebook_offsets", torch.arange(c.num_codebooks) * c.codebook_size, persistent=False)
+        self.max_seq_len = 0
+
+    def head_rows(self) -> Tensor:
+        """Vocabulary ids of the slow head's rows: semantic tokens, then <|im_end|>."""
+        sem = torch.arange(self.semantic_begin_id, self.semantic_begin_id + self.config.semantic_vocab)
+        return torch.cat([sem, torch.tensor([self.im_end_id])])
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Static KV caches: `max_seq_len` slots for the slow transformer, one per codebook for the fast one."""
+        c, p = self.config, self.embeddings.weight
+        if max_seq_len > c.max_seq_len:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {c.max_seq_len}")
+        self.max_seq_len = max_seq_len
+        for b in self.layers:
+            b.attention.kv_cache = KVCache(max_batch_size, max_seq_len, c.n_local_heads, c.head_dim, p.dtype, p.device)
+        for b in self.fast_layers:
+            b.attention.kv_cache = KVCache(max_batch_size, c.num_codebooks, c.fast_n_local_heads, c.fast_head_dim, p.dtype, p.device)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens [B, 1 + num_codebooks, T]: row 0 token ids, rows 1.. codebook ids (used on semantic positions)."""
+        c = self.config
+        ids = tokens[:, 0]
+        is_semantic = (ids >= self.semantic_begin_id) & (ids < self.semantic_begin_id + c.semantic_vocab)
+        codes = tokens[:, 1:] + self.codebook_offsets[None, :, None]
+        vq = self.codebook_embeddings(codes).sum(dim=1)
+        x = self.embeddings(ids) + vq * is_semantic[..., None]
+        if c.scale_codebook_embeddings:
+            x = torch.where(is_semantic[..., None], x / math.sqrt(c.num_codebooks + 1), x)
+        return x
+
+    def forward_slow(self, tokens: Tensor, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Run the slow transformer over `tokens` at `input_pos` (a contiguous range).
+
+        Returns the head's logits [B, semantic_vocab + 1] and the fast transformer's
+        input [B, fast_dim], both for the last position only.
+        """
+        x = self.embed(tokens)
+        live = int(input_pos[-1]) + 1
+        rope = self.rope[input_pos]
+        for layer in self.layers:
+            x = layer(x, rope, input_pos, live)
+        x = x[:, -1]
+        return self.head(self.norm(x)), self.fast_project_in(x)
+
+    def forward_fast(self, x: Tensor, pos: int) -> Tensor:
+        """One step of the fast transformer at codebook position `pos`; x [B, fast_dim] -> hidden [B, fast_dim]."""
+        input_pos = torch.tensor([pos], device=x.device)
+        x = x[:, None]
+        rope = self.fast_rope[pos : pos + 1]
+        for layer in self.fast_layers:
+            x = layer(x, rope, input_pos, pos + 1)
+        return x[:, 0]
+
+    def fast_logits(self, hidden: Tensor) -> Tensor:
+        return self.fast_output(self.fast_norm(hidden))
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of `model.pth` (upstream names, fused wqkv) with its shape."""
+    c = config
+    out = {
+        "embeddings.weight": (c.vocab_size, c.dim),
+        "codebook_embeddings.weight": (c.codebook_size * c.num_codebooks, c.dim),
+        "norm.weight": (c.dim,),
+        "fast_embeddings.weight": (c.codebook_size, c.fast_dim),
+        "fast_norm.weight": (c.fast_dim,),
+        "fast_output.weight": (c.codebook_size, c.fast_dim),
+    }
+    if not c.tie_word_embeddings:
+        out["output.weight"] = (c.vocab_size, c.dim)
+    if c.fast_dim != c.dim:
+        out["fast_project_in.weight"] = (c.fast_dim, c.dim)
+        out["fast_project_in.bias"] = (c.fast_dim,)
+    stacks = [("layers", c.n_layer, c.dim, c.n_head, c.n_local_heads, c.head_dim, c.intermediate_size,
+               c.attention_qkv_bias, c.attention_o_bias, c.attention_qk_norm),
+              ("fast_layers", c.n_fast_layer, c.fast_dim, c.fast_n_head, c.fast_n_local_heads, c.fast_head_dim,
+               c.fast_intermediate_size, c.fast_attention_qkv_bias, c.fast_attention_o_bias, c.fast_attention_qk_norm)]
+    for name, n, dim, nh, nkv, hd, hidden, qkv_bias, o_bias, qk_norm in stacks:
+        for i in range(n):
+            p = f"{name}.{i}."
+            out[p + "attention.wqkv.weight"] = ((nh + 2 * nkv) * hd, dim)
+            if qkv_bias:
+                out[p + "attention.wqkv.bias"] = ((nh + 2 * nkv) * hd,)
+            out[p + "attention.wo.weight"] = (dim, nh * hd)
+            if o_bias:
+                out[p + "attention.wo.bias"] = (dim,)
+            if qk_norm:
+                out[p + "attention.q_norm.weight"] = (hd,)
+                out[p + "attention.k_norm.weight"] = (hd,)
+            out[p + "feed_forward.w1.weight"] = (hidden, dim)
+            out[p + "feed_forward.w3.weight"] = (hidden, dim)
+            out[p + "feed_forward.w2.weight"] = (dim, hidden)
+            out[p + "attention_norm.weight"] = (dim,)
+            out[p + "ffn_norm.weight"] = (dim,)
+    return out
+
+
+def normalize_state_dict(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Accept the layouts upstream accepts: a `model.` prefix, separate wq/wk/wv, extra `audio_*` keys."""
+    weights = strip_prefix(weights, "model.")
+    weights = {k: v for k, v in weights.items() if "audio_" not in k}
+    for key in [k for k in weights if k.endswith(".attention.wq.weight")]:
+        p = key[: -len("wq.weight")]
+        parts = [weights.pop(p + n + ".weight", None) for n in ("wq", "wk", "wv")]
+        if any(t is None for t in parts):
+            raise CheckpointError(f"model.pth: {p}wq/wk/wv must all be present to fuse into {p}wqkv")
+        weights[p + "wqkv.weight"] = torch.cat(parts)
+    return weights
+
+
+def load_dual_ar(path, config: ModelConfig, semantic_begin_id: int, im_end_id: int,
+                 device="cpu", dtype=torch.float32) -> DualARTransformer:
+    """Build the model from `model.pth` (or `.safetensors`), checking every tensor's name and shape."""
+    weights = normalize_state_dict(read_state_dict(path))
+    source = str(path)
+    if semantic_begin_id + config.semantic_vocab > config.vocab_size or im_end_id >= config.vocab_size:
+        raise CheckpointError(f"{source}: the tokenizer's special tokens lie beyond vocab_size {config.vocab_size}")
+    shapes = expected_shapes(config)
+    state = {name: take(weights, name, shape, source) for name, shape in shapes.items()}
+    out_weight = state.pop("output.weight", state["embeddings.weight"])
+    with torch.device("meta"):
+        model = DualARTransformer(config, semantic_begin_id, im_end_id)
+    state["head.weight"] = out_weight[model.head_rows()]
+    state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    # Buffers were built on `meta`; rebuild them for real.
+    model.rope = rope_table(config.max_seq_len, config.head_dim, config.rope_base)
+    model.fast_rope = rope_table(config.num_codebooks, config.fast_head_dim, config.rope_base)
+    model.codebook_offsets = torch.arange(config.num_codebooks) * config.codebook_size
+    return model.to(device).eval()

@@ -1,0 +1,1 @@
+"""Stand-in: only referenced by descript-audio-codec's file helpers."""

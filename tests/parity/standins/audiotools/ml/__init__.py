@@ -1,0 +1,10 @@
+import torch
+
+
+class BaseModel(torch.nn.Module):
+    INTERN = []
+    EXTERN = []
+
+
+class Accelerator:
+    pass

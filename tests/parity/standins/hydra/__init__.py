@@ -1,0 +1,1 @@
+"""Stand-in: hydra is only used by upstream's config-driven loaders."""

@@ -1,0 +1,52 @@
+"""The fish-sm command, run as a user runs it."""
+
+import subprocess
+import sys
+
+import soundfile as sf
+from click.testing import CliRunner
+
+from fish_sm.cli import main
+
+
+def test_help_is_fast_and_imports_no_torch():
+    code = "import sys; from fish_sm.cli import main; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0 and "make-checkpoint" in result.output and "synthesize" in result.output
+
+
+def test_make_checkpoint_then_synthesize(tmp_path, tone, encode_audio):
+    runner = CliRunner()
+    result = runner.invoke(main, ["make-checkpoint", str(tmp_path / "ckpt"), "--preset", "tiny", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    ref = tmp_path / "voice.flac"
+    ref.write_bytes(encode_audio(tone(1.0, 48000, 2), 48000, "FLAC"))
+    out = tmp_path / "out" / "speech.flac"
+    result = runner.invoke(main, ["synthesize", str(tmp_path / "ckpt"), "Hello there.", "-o", str(out),
+                                  "--reference", str(ref), "--reference-text", "A voice.",
+                                  "--max-new-tokens", "8", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    assert "8 frames" in result.output and "real-time factor" in result.output
+    audio, rate = sf.read(out)
+    assert rate == 44100 and len(audio) == 8 * 2048
+    result = runner.invoke(main, ["synthesize", str(tmp_path / "ckpt"), "Hello there.", "-o", str(tmp_path / "s.wav"),
+                                  "--max-new-tokens", "8", "--seed", "1", "--stream"])
+    assert result.exit_code == 0 and "time to first audio" in result.output
+
+
+def test_bad_input_is_one_line_and_non_zero(tmp_path, tiny_checkpoint):
+    runner = CliRunner()
+    cases = [
+        ["synthesize", str(tiny_checkpoint), "hi", "--temperature", "7", "-o", str(tmp_path / "a.wav")],
+        ["synthesize", str(tmp_path), "hi"],  # a directory with no checkpoint in it
+        ["synthesize", str(tiny_checkpoint), "hi", "--reference", str(tiny_checkpoint / "config.json"),
+         "--reference-text", "x"],
+        ["synthesize", str(tiny_checkpoint), "hi", "--reference", str(tiny_checkpoint / "config.json")],
+        ["make-checkpoint", str(tmp_path / "x"), "--preset", "huge"],
+    ]
+    for args in cases:
+        result = runner.invoke(main, args)
+        assert result.exit_code != 0, args
+        assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+        assert result.output.strip().splitlines()[-1].startswith("Error"), result.output
