@@ -87,8 +87,10 @@ class Engine:
                         codec_dtype: str | torch.dtype | None = None, max_seq_len: int | None = None) -> "Engine":
         """Load a checkpoint directory (config.json, model.pth, codec.pth, tokenizer files).
 
-        CUDA with bf16 when present, else CPU with float32. `max_seq_len` caps the KV
-        cache below the model's limit to save memory.
+        CUDA with bf16 when present, else CPU with float32. The codec runs in float32
+        unless `codec_dtype` says otherwise: it costs little (about 30 ms for 10 s of audio
+        on an H200 either way) and keeps streamed and whole decodes alike. `max_seq_len`
+        caps the KV cache below the model's limit to save memory.
         """
         path = Path(path)
         device = resolve_device(device)
@@ -99,7 +101,7 @@ class Engine:
                              tokenizer.im_end_id, device=device, dtype=dtype)
         model.setup_caches(1, min(max_seq_len or config.max_seq_len, config.max_seq_len))
         codec = load_codec(find_model_file(path, "codec"), device=device,
-                           dtype=resolve_dtype(codec_dtype or dtype, device))
+                           dtype=resolve_dtype(codec_dtype or torch.float32, device))
         return cls(model, codec, tokenizer)
 
     # -- references ---------------------------------------------------------------

@@ -1,39 +1,12 @@
-"""The `fish-sm` command line. Thin: parse options, call the package, print results.
-
-Heavy imports (torch) happen inside the commands that need them, so `fish-sm --help`
-stays fast. Errors the user can fix print one line and exit non-zero.
-"""
+"""Engine commands: write checkpoints, synthesize locally."""
 
 from __future__ import annotations
 
-import functools
-import sys
 from pathlib import Path
 
 import click
 
-
-def friendly_errors(fn):
-    """Turn our errors (and missing files) into one-line messages instead of tracebacks."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from fish_sm.errors import FishSMError
-
-        try:
-            return fn(*args, **kwargs)
-        except FishSMError as exc:
-            raise click.ClickException(str(exc)) from None
-        except (OSError, ValueError) as exc:
-            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-
-    return wrapper
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="fish-sm")
-def main():
-    """Serve the OpenAudio S1-mini text-to-speech model on SageMaker."""
+from fish_sm.cli.common import friendly_errors, main
 
 
 @main.command("make-checkpoint")
@@ -104,6 +77,3 @@ def synthesize(checkpoint, text, output, reference, reference_text, temperature,
     sf.write(output, audio, engine.sample_rate)
     click.echo(f"wrote {output}: {seconds:.2f} s of audio, {frames} frames, real-time factor {rtf:.3f}")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,9 @@
+"""The `fish-sm` command line. Thin: parse options, call the package, print results.
+
+Each module registers its commands on the one group in `common`.
+"""
+
+from fish_sm.cli.common import main
+from fish_sm.cli import engine  # noqa: F401  (registers make-checkpoint, synthesize)
+
+__all__ = ["main"]

@@ -1,0 +1,5 @@
+import sys
+
+from fish_sm.cli import main
+
+sys.exit(main())
