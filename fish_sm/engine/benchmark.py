@@ -56,7 +56,7 @@ def run(checkpoint: str, frames: int, repeats: int, prompt_tokens: int, device: 
 
     def prefill():
         with torch.inference_mode():
-            model.forward_slow(prompt.to(dev)[None], torch.arange(prompt.shape[1], device=dev))
+            model.forward_slow(prompt.to(dev)[None], torch.arange(prompt.shape[1], device=dev), prompt.shape[1])
 
     def decode():
         n = 0

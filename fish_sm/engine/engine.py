@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fish_sm.errors import InputError
+from fish_sm.errors import FishSMError, InputError
 from fish_sm.engine.audio import AudioInput, load_reference_audio
-from fish_sm.engine.generate import generate_frames
+from fish_sm.engine.generate import decode_frame, generate_frames
 from fish_sm.engine.prompt import build_prompt
 from fish_sm.engine.sampling import SamplingParams
 from fish_sm.engine.text import split_text
@@ -81,6 +81,8 @@ class Engine:
         self.frame_length = codec.frame_length
         self._references: OrderedDict[str, Tensor] = OrderedDict()
         self._reference_cache_size = reference_cache_size
+        self._step = None  # the compiled decode_frame, once compile() has run
+        self.quantized = False
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
@@ -103,6 +105,32 @@ class Engine:
         codec = load_codec(find_model_file(path, "codec"), device=device,
                            dtype=resolve_dtype(codec_dtype or torch.float32, device))
         return cls(model, codec, tokenizer)
+
+    # -- speed ----------------------------------------------------------------------
+
+    def quantize_int8(self) -> None:
+        """INT8 weight-only quantization of the transformer's linear layers (torchao).
+
+        Halves the bytes read per frame; embeddings and the codec stay as they are.
+        """
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        except ImportError:
+            raise FishSMError("INT8 quantization needs torchao matching this torch (pip install torchao), "
+                              "or turn it off (FISH_SM_QUANTIZE=none)") from None
+        quantize_(self.model, Int8WeightOnlyConfig(), filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
+        self.quantized = True
+
+    def compile(self) -> None:
+        """Capture one decode frame (slow step, all fast steps, all sampling) with
+        torch.compile; CUDA graphs make it a single launch on GPUs. Compilation happens
+        on the first frames decoded (the server's warm-up)."""
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        self._step = torch.compile(decode_frame, mode=mode, fullgraph=True, dynamic=False)
+
+    @property
+    def compiled(self) -> bool:
+        return self._step is not None
 
     # -- references ---------------------------------------------------------------
 
@@ -155,7 +183,8 @@ class Engine:
             if previous and prompt.shape[1] + 1 >= self.model.max_seq_len:
                 prompt = build_prompt(self.tokenizer, self.config.num_codebooks, turns, chunk)
             produced = []
-            for frame in generate_frames(self.model, prompt, params, generator):
+            for frame in generate_frames(self.model, prompt, params, generator, step=self._step,
+                                         static_live=self.compiled):
                 produced.append(frame[1:])
                 yield frame[1:]
             previous = [(chunk, torch.stack(produced, dim=1).cpu())] if produced else []

@@ -1,15 +1,18 @@
 """Prefill, then frame-by-frame decoding on the model's static KV cache.
 
 One frame = one slow step (the head picks a semantic code or <|im_end|>) followed by
-`num_codebooks` fast steps (the residual codes). The repetition-penalty window is
+`num_codebooks - 1` fast steps (the residual codes). The repetition-penalty window is
 upstream's: the 16 frames before the current one, counted from the first frame after
 the prefill, zero-filled while fewer exist; the slow head sees only the window's first
 frame (see `sampling.head_penalty_indices`).
+
+`decode_frame` is a pure tensor function of fixed shapes — the random draws come in as
+a tensor of Exp(1) noise — so `torch.compile` can capture a whole frame as one CUDA graph.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -17,57 +20,80 @@ from torch import Tensor
 from fish_sm.errors import InputError
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE
 from fish_sm.model.dual_ar import DualARTransformer
-from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices, logits_to_probs, sample
+from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices, logits_to_probs
 
 
-class FrameDecoder:
-    """Samples whole frames: `[1 + num_codebooks]` = (token id, code 0, ..., code C-1)."""
+def noise_size(model: DualARTransformer) -> int:
+    """Exp(1) draws one frame needs: one per head row, then one per residual code of each fast step."""
+    c = model.config
+    return c.semantic_vocab + 1 + (c.num_codebooks - 1) * RESIDUAL_CODEBOOK_SIZE
 
-    def __init__(self, model: DualARTransformer, params: SamplingParams, generator: torch.Generator | None):
-        self.model = model
-        self.temperature, self.top_p, self.penalty = params.tensors(model.embeddings.weight.device)
-        self.generator = generator
 
-    def _sample(self, logits: Tensor, previous: Tensor | None) -> Tensor:
-        probs = logits_to_probs(logits, self.temperature, self.top_p, self.penalty, previous)
-        return sample(probs, self.generator)
+def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, window: Tensor | None, noise: Tensor,
+                 temperature: Tensor, top_p: Tensor, penalty: Tensor) -> Tensor:
+    """The slow head's choice and the fast transformer's codes for one frame.
 
-    def __call__(self, logits: Tensor, hidden: Tensor, window: Tensor | None) -> Tensor:
-        """logits [1, semantic_vocab + 1], hidden [1, fast_dim]; window [1 + C, 16] or None (first frame)."""
-        m, c = self.model, self.model.config
-        head_prev = None
-        if window is not None:
-            head_prev = head_penalty_indices(window[:, 0], m.semantic_begin_id, c.semantic_vocab, m.im_end_id)
-        row = self._sample(logits[0], head_prev)
-        is_end = row == c.semantic_vocab
-        token = torch.where(is_end, m.im_end_id, row + m.semantic_begin_id)
-        code = torch.where(is_end, 0, row)
-        codes = [code]
-        m.forward_fast(hidden, 0)  # fills position 0 of the fast cache; its logits are unused
-        for i in range(1, c.num_codebooks):
-            h = m.forward_fast(m.fast_embeddings(code)[None], i)
-            logits_i = m.fast_logits(h)[0, :RESIDUAL_CODEBOOK_SIZE]
-            code = self._sample(logits_i, None if window is None else window[i + 1])
-            codes.append(code)
-        return torch.stack([token, *codes]).view(-1)
+    logits [1, semantic_vocab + 1], hidden [1, fast_dim], window [1 + C, 16] (None for the
+    frame after the prefill, which upstream samples without penalty), noise [noise_size].
+    Returns [1 + C]: (token id, code 0, ..., code C-1).
+    """
+    c = model.config
+    n_head = c.semantic_vocab + 1
+    head_prev = None if window is None else head_penalty_indices(window[:, 0], model.semantic_begin_id, c.semantic_vocab, model.im_end_id)
+    probs = logits_to_probs(logits[0], temperature, top_p, penalty, head_prev)
+    row = torch.argmax(probs / noise[:n_head])
+    is_end = row == c.semantic_vocab
+    token = torch.where(is_end, model.im_end_id, row + model.semantic_begin_id)
+    code = torch.where(is_end, 0, row)
+    codes = [code]
+    model.forward_fast(hidden, 0)  # fills position 0 of the fast cache; its logits are unused
+    for i in range(1, c.num_codebooks):
+        h = model.forward_fast(model.fast_embeddings(code)[None], i)
+        logits_i = model.fast_logits(h)[0, :RESIDUAL_CODEBOOK_SIZE]
+        probs = logits_to_probs(logits_i, temperature, top_p, penalty, None if window is None else window[i + 1])
+        start = n_head + (i - 1) * RESIDUAL_CODEBOOK_SIZE
+        code = torch.argmax(probs / noise[start : start + RESIDUAL_CODEBOOK_SIZE])
+        codes.append(code)
+    return torch.stack([token, *codes]).view(-1)
+
+
+def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, window: Tensor, noise: Tensor,
+                 temperature: Tensor, top_p: Tensor, penalty: Tensor, live: int) -> Tensor:
+    """Feed the previous frame [1 + C] at `input_pos` [1] and sample the next one.
+
+    `live` bounds the attention to the first `live` cache slots: the exact length when
+    eager, the whole cache (a static shape) when compiled.
+    """
+    logits, hidden = model.forward_slow(frame.view(1, -1, 1), input_pos, live)
+    return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty)
+
+
+FrameFn = Callable[..., Tensor]
 
 
 @torch.inference_mode()
 def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingParams,
-                    generator: torch.Generator | None = None) -> Iterator[Tensor]:
+                    generator: torch.Generator | None = None, step: FrameFn | None = None,
+                    static_live: bool = False) -> Iterator[Tensor]:
     """Yield frames [1 + C] (long, on the model's device) until <|im_end|> or `max_new_tokens`.
 
-    The <|im_end|> frame itself is not yielded.
+    The <|im_end|> frame itself is not yielded. `step` replaces `decode_frame` (the
+    compiled version); with `static_live` it attends over the whole cache.
     """
     device = model.embeddings.weight.device
     n_rows, length = prompt.shape
     if length + 1 >= model.max_seq_len:
         raise InputError(f"the prompt is {length} tokens; this model holds at most {model.max_seq_len - 2}")
     max_new = min(params.max_new_tokens, model.max_seq_len - length)
-    decode = FrameDecoder(model, params, generator)
-    prompt = prompt.to(device)
-    logits, hidden = model.forward_slow(prompt[None], torch.arange(length, device=device))
-    frame = decode(logits, hidden, None)
+    temperature, top_p, penalty = params.tensors(device)
+    step = step or decode_frame
+    n_noise = noise_size(model)
+
+    def noise() -> Tensor:
+        return torch.empty(n_noise, device=device).exponential_(1, generator=generator)
+
+    logits, hidden = model.forward_slow(prompt.to(device)[None], torch.arange(length, device=device), length)
+    frame = sample_frame(model, logits, hidden, None, noise(), temperature, top_p, penalty)
     history = torch.zeros(n_rows, max(max_new, PENALTY_WINDOW), dtype=torch.long, device=device)
     for i in range(max_new):
         if int(frame[0]) == model.im_end_id:
@@ -75,8 +101,9 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
         yield frame
         if i == max_new - 1:
             return
-        logits, hidden = model.forward_slow(frame.view(1, n_rows, 1), torch.tensor([length + i], device=device))
+        pos = length + i
         start = max(0, i - PENALTY_WINDOW)
         window = history[:, start : start + PENALTY_WINDOW]
-        frame = decode(logits, hidden, window)
+        live = model.max_seq_len if static_live else pos + 1
+        frame = step(model, frame, torch.tensor([pos], device=device), window, noise(), temperature, top_p, penalty, live)
         history[:, i] = frame

@@ -180,14 +180,14 @@ class DualARTransformer(nn.Module):
             x = torch.where(is_semantic[..., None], x / math.sqrt(c.num_codebooks + 1), x)
         return x
 
-    def forward_slow(self, tokens: Tensor, input_pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Run the slow transformer over `tokens` at `input_pos` (a contiguous range).
+    def forward_slow(self, tokens: Tensor, input_pos: Tensor, live: int) -> tuple[Tensor, Tensor]:
+        """Run the slow transformer over `tokens` at `input_pos` (a contiguous range),
+        attending over the first `live` cache slots (at least input_pos[-1] + 1).
 
         Returns the head's logits [B, semantic_vocab + 1] and the fast transformer's
         input [B, fast_dim], both for the last position only.
         """
         x = self.embed(tokens)
-        live = int(input_pos[-1]) + 1
         rope = self.rope[input_pos]
         for layer in self.layers:
             x = layer(x, rope, input_pos, live)
@@ -260,15 +260,20 @@ def normalize_state_dict(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     return weights
 
 
+def checked_weights(path, config: ModelConfig) -> dict[str, Tensor]:
+    """Every tensor `config` needs from `model.pth`, by upstream name, each shape checked
+    (memory-mapped: nothing is read until used)."""
+    weights = normalize_state_dict(read_state_dict(path))
+    return {name: take(weights, name, shape, str(path)) for name, shape in expected_shapes(config).items()}
+
+
 def load_dual_ar(path, config: ModelConfig, semantic_begin_id: int, im_end_id: int,
                  device="cpu", dtype=torch.float32) -> DualARTransformer:
     """Build the model from `model.pth` (or `.safetensors`), checking every tensor's name and shape."""
-    weights = normalize_state_dict(read_state_dict(path))
     source = str(path)
     if semantic_begin_id + config.semantic_vocab > config.vocab_size or im_end_id >= config.vocab_size:
         raise CheckpointError(f"{source}: the tokenizer's special tokens lie beyond vocab_size {config.vocab_size}")
-    shapes = expected_shapes(config)
-    state = {name: take(weights, name, shape, source) for name, shape in shapes.items()}
+    state = checked_weights(path, config)
     out_weight = state.pop("output.weight", state["embeddings.weight"])
     with torch.device("meta"):
         model = DualARTransformer(config, semantic_begin_id, im_end_id)

@@ -30,7 +30,7 @@ def prefill(model):
     tokens = torch.zeros(1, 11, 12, dtype=torch.long)
     tokens[0, 0] = torch.arange(100, 112)
     with torch.no_grad():
-        return model.forward_slow(tokens, torch.arange(12))[0]
+        return model.forward_slow(tokens, torch.arange(12), 12)[0]
 
 
 @pytest.fixture(scope="module")

@@ -93,11 +93,11 @@ def test_slow_transformer_logits_and_hidden_state(models):
     T = prompt.shape[1]
     with torch.no_grad():
         theirs = up.forward_generate(prompt[None], torch.arange(T))
-        logits, hidden = ours.forward_slow(prompt[None], torch.arange(T))
+        logits, hidden = ours.forward_slow(prompt[None], torch.arange(T), T)
         # then one decode step at the next position, with a semantic frame as input
         frame = torch.cat([torch.tensor([tok.semantic_begin_id + 7]), random_codes(1, 4)[:, 0]])[None, :, None]
         theirs2 = up.forward_generate(frame, torch.tensor([T]))
-        logits2, hidden2 = ours.forward_slow(frame, torch.tensor([T]))
+        logits2, hidden2 = ours.forward_slow(frame, torch.tensor([T]), T + 1)
     rows = ours.head_rows()
     d_logits = (theirs.logits[0, -1, rows] - logits[0]).abs().max().item()
     d_hidden = (theirs.hidden_states[0, -1] - hidden[0]).abs().max().item()

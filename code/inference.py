@@ -1,0 +1,1 @@
+../fish_sm/serving/entry_point.py

@@ -1,0 +1,146 @@
+"""S3 URIs, and uploads/downloads with a progress bar.
+
+A packaged S1-mini checkpoint is several GB, so uploads are multipart (boto3's transfer
+manager, parts in parallel) and show bytes sent; small objects (requests, results) go
+through plain put/get.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from fish_sm.aws import AWSError
+from fish_sm.aws.session import AWS, is_not_found
+from fish_sm.errors import InputError
+
+MIB = 1024 * 1024
+DEFAULT_PART_SIZE = 64 * MIB
+MIN_PART_SIZE = 5 * MIB  # S3's floor for every part but the last
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+@dataclass(frozen=True)
+class S3Uri:
+    bucket: str
+    key: str  # may be '' (the bucket) or end with '/' (a prefix)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+    @property
+    def is_prefix(self) -> bool:
+        return self.key == "" or self.key.endswith("/")
+
+    def join(self, name: str) -> "S3Uri":
+        """The object `name` under this prefix (a trailing '/' is implied)."""
+        base = self.key if self.is_prefix else self.key + "/"
+        return S3Uri(self.bucket, base + name)
+
+
+def parse_s3_uri(uri: str, *, what: str = "S3 URI", prefix: bool | None = None) -> S3Uri:
+    """Parse s3://bucket/key with a message that says what was expected.
+
+    prefix=True wants a folder (s3://bucket/prefix/ or s3://bucket), prefix=False an object key.
+    """
+    m = re.match(r"^s3://([^/]+)(?:/(.*))?$", uri or "")
+    if not m:
+        raise InputError(f"{what} must look like s3://bucket/key, got {uri!r}")
+    bucket, key = m.group(1), m.group(2) or ""
+    if not _BUCKET.match(bucket) or ".." in bucket:
+        raise InputError(f"{what} {uri!r}: {bucket!r} is not a valid bucket name")
+    if "//" in key:
+        raise InputError(f"{what} {uri!r} has an empty path segment ('//')")
+    if prefix is False and (key == "" or key.endswith("/")):
+        raise InputError(f"{what} must name an object (s3://bucket/path/file), got {uri!r}")
+    if prefix is True and key and not key.endswith("/"):
+        key += "/"
+    return S3Uri(bucket, key)
+
+
+@contextlib.contextmanager
+def byte_progress(label: str, total: int, enabled: bool = True):
+    """A progress bar on stderr fed with byte counts; safe to call from transfer threads."""
+    if not enabled:
+        yield lambda n: None
+        return
+    lock = threading.Lock()
+    with click.progressbar(length=max(total, 1), label=label, file=sys.stderr,
+                           show_pos=False, show_percent=True, show_eta=True) as bar:
+        def update(n: int) -> None:
+            with lock:
+                bar.update(n)
+
+        yield update
+
+
+def upload_file(aws: AWS, path: Path, dest: S3Uri, *, part_size: int = DEFAULT_PART_SIZE,
+                progress: bool = True, content_type: str | None = None) -> S3Uri:
+    """Upload `path` to `dest` (a prefix gets the file's name appended); multipart above part_size."""
+    from boto3.s3.transfer import TransferConfig
+
+    if part_size < MIN_PART_SIZE:
+        raise InputError(f"part size must be at least {MIN_PART_SIZE // MIB} MiB (S3's minimum), "
+                         f"got {part_size / MIB:g} MiB")
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no such file to upload: {path}")
+    target = dest.join(path.name) if dest.is_prefix else dest
+    config = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
+                            max_concurrency=8, use_threads=True)
+    extra = {"ContentType": content_type} if content_type else None
+    size = path.stat().st_size
+    with byte_progress(f"uploading {path.name}", size, progress) as update:
+        try:
+            aws.s3.upload_file(str(path), target.bucket, target.key, Config=config, Callback=update,
+                               ExtraArgs=extra)
+        except Exception as exc:  # boto3's S3UploadFailedError wraps the ClientError in a string
+            if type(exc).__name__ == "S3UploadFailedError":
+                raise AWSError(f"upload to {target} failed: {exc}") from None
+            raise
+    return target
+
+
+def download_file(aws: AWS, src: S3Uri, path: Path, *, progress: bool = True) -> Path:
+    """Download one object to `path`, with a progress bar sized from HeadObject."""
+    head = head_object(aws, src)
+    if head is None:
+        raise AWSError(f"{src} does not exist")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with byte_progress(f"downloading {Path(src.key).name}", head["ContentLength"], progress) as update:
+        aws.s3.download_file(src.bucket, src.key, str(path), Callback=update)
+    return path
+
+
+def head_object(aws: AWS, uri: S3Uri) -> dict | None:
+    """HeadObject, or None when the object (or bucket) does not exist."""
+    try:
+        return aws.s3.head_object(Bucket=uri.bucket, Key=uri.key)
+    except Exception as exc:
+        if is_not_found(exc):
+            return None
+        raise
+
+
+def put_bytes(aws: AWS, uri: S3Uri, data: bytes, content_type: str = "application/octet-stream") -> None:
+    aws.s3.put_object(Bucket=uri.bucket, Key=uri.key, Body=data, ContentType=content_type)
+
+
+def get_bytes(aws: AWS, uri: S3Uri) -> bytes:
+    return aws.s3.get_object(Bucket=uri.bucket, Key=uri.key)["Body"].read()
+
+
+def list_objects(aws: AWS, prefix: S3Uri) -> list[dict]:
+    """Every object under a prefix (Key, Size, ...), following pagination."""
+    out = []
+    for page in aws.s3.get_paginator("list_objects_v2").paginate(Bucket=prefix.bucket, Prefix=prefix.key):
+        out.extend(page.get("Contents", []))
+    return out

@@ -1,0 +1,80 @@
+"""The compiled-kernel cache: written by a first start, shipped in the package, reused after.
+
+Inductor and Triton write their caches under one directory (`TORCHINDUCTOR_CACHE_DIR`);
+a start that finds a matching packaged copy skips code generation and autotuning. The
+packaged copy is read-only on SageMaker, so it is copied to a writable directory first,
+and what the warm-up adds is kept there. `cache.json` records what the kernels were built
+for; a cache for another GPU architecture or torch version is reported and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+logger = logging.getLogger("fish_sm.serving")
+META = "cache.json"
+
+
+def build_info(device) -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "device_type": device.type}
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        info.update(gpu_arch=f"sm_{major}{minor}", gpu_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def mismatch(found: dict, wanted: dict) -> list[str]:
+    keys = ("torch", "device_type", "gpu_arch", "triton")
+    return [f"{k} {found.get(k)!r} != {wanted.get(k)!r}" for k in keys if found.get(k) != wanted.get(k)]
+
+
+class CompileCache:
+    def __init__(self, packaged: Path, writable: Path):
+        self.packaged, self.writable = packaged, writable
+        self.status = "not used"
+        self.info: dict = {}
+
+    def activate(self, device) -> str:
+        """Point inductor at the writable cache, seeded from the package when it fits this machine."""
+        self.info = build_info(device)
+        self.writable.mkdir(parents=True, exist_ok=True)
+        meta = self.packaged / META
+        if meta.is_file():
+            found = json.loads(meta.read_text())
+            problems = mismatch(found, self.info)
+            if problems:
+                self.status = "packaged cache ignored: built for another machine (" + "; ".join(problems) + ")"
+                logger.warning(self.status)
+            else:
+                shutil.copytree(self.packaged, self.writable, dirs_exist_ok=True)
+                self.status = f"packaged cache loaded ({_size(self.packaged) / 1e6:.1f} MB)"
+                logger.info(self.status)
+        else:
+            self.status = "no packaged cache; compiling from scratch"
+            logger.info(self.status)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.writable)
+        os.environ.setdefault("TRITON_CACHE_DIR", str(self.writable / "triton"))
+        return self.status
+
+    def save(self) -> None:
+        """Record what the kernels in the writable cache were built for (after the warm-up)."""
+        if not self.info:
+            return
+        (self.writable / META).write_text(json.dumps(self.info, indent=2) + "\n")
+        logger.info("compile cache at %s: %.1f MB", self.writable, _size(self.writable) / 1e6)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

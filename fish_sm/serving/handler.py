@@ -1,0 +1,200 @@
+"""The SageMaker inference contract: `model_fn`, `input_fn`, `predict_fn`, `output_fn`.
+
+The signatures are the ones sagemaker-inference's `Transformer` calls (context last and
+optional), so the same module runs in our container and in the stock PyTorch inference
+container. `model_fn` does all the slow work — load, quantize, compile, warm up — so
+that the server reports healthy only when the first request will be fast.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import soundfile as sf
+
+from fish_sm.engine import Engine, Reference
+from fish_sm.errors import FishSMError, InputError
+from fish_sm.serving import audio as audio_out
+from fish_sm.serving.compile_cache import CompileCache
+from fish_sm.serving.errors import HTTPError, bad_request
+from fish_sm.serving.request import (JSON, JSONLINES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type,
+                                      parse_body, response_format)
+from fish_sm.serving.settings import Settings
+from fish_sm.serving.voices import load_voices
+
+logger = logging.getLogger("fish_sm.serving")
+
+WARMUP_TEXT = "Warming up the speech engine so that the first request is fast."
+
+
+@dataclass
+class ServingModel:
+    """What `model_fn` returns: the engine and everything a request may refer to."""
+
+    engine: Engine
+    settings: Settings
+    voices: dict[str, Reference]
+    model_dir: Path
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Batch:
+    requests: list[TTSRequest]
+    jsonlines: bool
+
+
+@dataclass
+class Prediction:
+    results: list  # engine Synthesis objects, one per request
+    requests: list[TTSRequest]
+    jsonlines: bool
+
+
+def _device(context) -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    props = getattr(context, "system_properties", None) or {}
+    gpu = props.get("gpu_id")
+    return f"cuda:{int(gpu) if gpu is not None else 0}"
+
+
+def model_fn(model_dir, context=None) -> ServingModel:
+    """Load the package in `model_dir` on this worker's GPU (or the CPU) and make it ready."""
+    settings = Settings.from_env()
+    logging.getLogger("fish_sm").setLevel(settings.log_level)
+    model_dir = Path(model_dir)
+    device = _device(context)
+    timings: dict[str, float] = {}
+
+    def phase(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        timings[name] = time.perf_counter() - t0
+        logger.info("model_fn %s: %.2f s", name, timings[name])
+        return out
+
+    cache = CompileCache(model_dir / "compile_cache", Path(settings.cache_dir) / device.replace(":", ""))
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(settings.dtype, "auto")
+    engine = phase("load", lambda: Engine.from_pretrained(model_dir, device=device, dtype=dtype,
+                                                          max_seq_len=settings.max_seq_len or None))
+    device_type = engine.device.type
+    if settings.use_quantize(device_type):
+        phase("quantize", engine.quantize_int8)
+    if settings.use_compile(device_type):
+        phase("cache", lambda: cache.activate(engine.device))
+        phase("compile", engine.compile)
+    voices = phase("voices", lambda: load_voices(model_dir / "voices", engine.config.num_codebooks))
+    if settings.default_voice and settings.default_voice not in voices:
+        raise FishSMError(f"FISH_SM_DEFAULT_VOICE={settings.default_voice!r} is not a packaged voice "
+                          f"(packaged: {', '.join(sorted(voices)) or 'none'})")
+    model = ServingModel(engine, settings, voices, model_dir, timings)
+    if settings.warmup:
+        phase("warmup", lambda: _warm_up(model))
+    if settings.use_compile(device_type):
+        phase("cache_save", cache.save)
+    logger.info("model_fn ready on %s in %.2f s (%s)", engine.device, sum(timings.values()),
+                ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
+    return model
+
+
+def _warm_up(model: ServingModel) -> None:
+    """Real syntheses along every path a request takes (prefill, decode, codec), each length bucket once."""
+    voice = model.voices.get(model.settings.default_voice) or next(iter(model.voices.values()), None)
+    for i in range(model.settings.warmup):
+        model.engine.synthesize(WARMUP_TEXT, reference=voice, seed=i, max_new_tokens=32 * (i + 1))
+
+
+def input_fn(input_data, content_type, context=None) -> Batch:
+    """Parse and validate the body; nothing reaches the GPU unless the whole request is valid."""
+    requests = parse_body(input_data, content_type, Settings.from_env())
+    return Batch(requests, jsonlines=media_type(content_type) in JSONLINES_ALIASES)
+
+
+def predict_fn(data: Batch, model: ServingModel, context=None) -> Prediction:
+    results = [_synthesize(model, r) for r in data.requests]
+    return Prediction(results, data.requests, data.jsonlines)
+
+
+def _synthesize(model: ServingModel, request: TTSRequest):
+    import torch
+
+    reference = _reference(model, request)
+    try:
+        return model.engine.synthesize(request.text, reference=reference, chunk_length=request.chunk_length,
+                                       temperature=request.sampling.temperature, top_p=request.sampling.top_p,
+                                       repetition_penalty=request.sampling.repetition_penalty,
+                                       max_new_tokens=request.sampling.max_new_tokens, seed=request.sampling.seed)
+    except InputError as exc:
+        raise bad_request(str(exc)) from None
+    except torch.cuda.OutOfMemoryError:
+        # Free what this request held, so the next one runs; fail only this one.
+        torch.cuda.empty_cache()
+        raise HTTPError(503, "the GPU ran out of memory for this request; retry, or send a shorter text or reference") from None
+
+
+def _reference(model: ServingModel, request: TTSRequest) -> Reference | None:
+    if request.voice is not None:
+        if request.voice not in model.voices:
+            known = ", ".join(sorted(model.voices)) or "none"
+            raise bad_request(f"unknown voice {request.voice!r}; packaged voices: {known}")
+        return model.voices[request.voice]
+    if request.reference is None:
+        return model.voices.get(model.settings.default_voice)
+    ref = request.reference
+    audio = ref.audio if ref.audio is not None else _fetch_s3(ref.s3_bucket, ref.s3_key, model.settings)
+    if len(audio) > model.settings.max_reference_bytes:
+        raise HTTPError(413, f"reference audio is {len(audio)} bytes; the limit is {model.settings.max_reference_bytes}")
+    try:
+        info = sf.info(io.BytesIO(audio))
+    except Exception:
+        raise HTTPError(422, "the reference audio cannot be decoded (send WAV, FLAC or Ogg)") from None
+    if info.duration > model.settings.max_reference_seconds:
+        raise HTTPError(413, f"reference audio is {info.duration:.1f} s; the limit is {model.settings.max_reference_seconds:g} s")
+    try:
+        return model.engine.encode_reference(audio, ref.text)
+    except InputError as exc:
+        raise HTTPError(422, f"reference audio: {exc}") from None
+
+
+def _fetch_s3(bucket: str, key: str, settings: Settings) -> bytes:
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        obj = boto3.client("s3").get_object(Bucket=bucket, Key=key)
+        if obj.get("ContentLength", 0) > settings.max_reference_bytes:
+            raise HTTPError(413, f"s3://{bucket}/{key} is over the {settings.max_reference_bytes} byte limit")
+        return obj["Body"].read()
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        status = 403 if code in ("AccessDenied", "403") else 400
+        raise HTTPError(status, f"cannot read s3://{bucket}/{key}: {code or exc}") from None
+    except BotoCoreError as exc:
+        raise HTTPError(400, f"cannot read s3://{bucket}/{key}: {exc}") from None
+
+
+def output_fn(prediction: Prediction, accept, context=None) -> tuple[bytes, str]:
+    """Encode the result for the Accept header; JSON Lines in, JSON Lines out."""
+    rate = prediction.results[0].sample_rate if prediction.results else 44100
+    if prediction.jsonlines:
+        check_accept(accept, jsonlines=True)
+        lines = []
+        for request, result in zip(prediction.requests, prediction.results):
+            fmt = request.format or "wav"
+            body, out_rate = audio_out.encode_audio(result.audio, rate, fmt, request.sample_rate)
+            lines.append(audio_out.json_bytes(audio_out.json_document(body, fmt, out_rate, result)))
+        return b"\n".join(lines) + b"\n", JSONLINES
+    request, result = prediction.requests[0], prediction.results[0]
+    kind, fmt = response_format(accept, request)
+    body, out_rate = audio_out.encode_audio(result.audio, rate, fmt, request.sample_rate)
+    if kind in (JSON, JSONLINES):
+        doc = audio_out.json_bytes(audio_out.json_document(body, fmt, out_rate, result))
+        return (doc + b"\n" if kind == JSONLINES else doc), kind
+    return body, kind

@@ -1,0 +1,89 @@
+"""Server settings from `FISH_SM_*` environment variables, validated at start.
+
+A bad value stops the worker with a message naming the variable, instead of serving
+with a setting nobody asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from fish_sm.errors import ConfigError
+
+PREFIX = "FISH_SM_"
+
+
+def _default_cache_dir() -> str:
+    # /opt/ml/model is read-only on SageMaker, /opt/ml itself is not.
+    opt_ml = Path("/opt/ml")
+    if opt_ml.is_dir() and os.access(opt_ml, os.W_OK):
+        return str(opt_ml / "fish-sm-cache")
+    return str(Path.home() / ".cache" / "fish-sm")
+
+
+@dataclass(frozen=True)
+class Settings:
+    quantize: str = "auto"  # auto (int8 on GPU, none on CPU) | int8 | none
+    compile: str = "auto"  # auto (on for GPU) | true | false
+    dtype: str = "auto"  # auto | bf16 | fp16 | fp32
+    default_voice: str = ""  # a packaged voice id used when a request names none
+    max_text_chars: int = 5000
+    max_reference_seconds: float = 60.0
+    max_reference_bytes: int = 20 * 1024 * 1024
+    max_new_tokens: int = 2048  # per text chunk; a request may ask for less
+    max_seq_len: int = 0  # 0 = the model's
+    warmup: int = 2  # syntheses run by model_fn before the server reports healthy
+    cache_dir: str = field(default_factory=_default_cache_dir)
+    allowed_buckets: tuple[str, ...] = ()  # S3 buckets references may come from; empty = none
+    log_level: str = "INFO"
+    ready_dir: str = ""  # set by `fish-sm serve`: where workers mark themselves ready
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        known = {PREFIX + f.name.upper(): f for f in fields(cls)}
+        values = {}
+        for key, raw in env.items():
+            if not key.startswith(PREFIX):
+                continue
+            if key not in known:
+                raise ConfigError(f"unknown setting {key}; known: {', '.join(sorted(known))}")
+            f = known[key]
+            values[f.name] = _parse(key, raw, f.type)
+        s = cls(**values)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        choices = {"quantize": ("auto", "int8", "none"), "compile": ("auto", "true", "false"),
+                   "dtype": ("auto", "bf16", "fp16", "fp32"), "log_level": ("DEBUG", "INFO", "WARNING", "ERROR")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{PREFIX}{name.upper()}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+        for name in ("max_text_chars", "max_reference_bytes", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{PREFIX}{name.upper()} must be at least 1")
+        if self.max_reference_seconds <= 0 or self.warmup < 0 or self.max_seq_len < 0:
+            raise ConfigError(f"{PREFIX}MAX_REFERENCE_SECONDS must be positive, WARMUP and MAX_SEQ_LEN not negative")
+
+    def use_quantize(self, device_type: str) -> bool:
+        return self.quantize == "int8" or (self.quantize == "auto" and device_type == "cuda")
+
+    def use_compile(self, device_type: str) -> bool:
+        return self.compile == "true" or (self.compile == "auto" and device_type == "cuda")
+
+
+def _parse(key: str, raw: str, type_name: str):
+    raw = raw.strip()
+    try:
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+        if type_name.startswith("tuple"):
+            return tuple(b.strip() for b in raw.split(",") if b.strip())
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a valid {type_name}") from None
+    return raw.upper() if key.endswith("LOG_LEVEL") else raw.lower() if key.endswith(("QUANTIZE", "COMPILE", "DTYPE")) else raw

@@ -1,0 +1,224 @@
+"""bench and invoke --url against a small HTTP server started here (WAV answers, some 400/500s),
+plus the statistics on hand-made samples and the local-server lifecycle."""
+
+import base64
+import io
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import soundfile as sf
+from click.testing import CliRunner
+
+from fish_sm.aws import AWSError
+from fish_sm.aws import bench as b
+from fish_sm.aws.invoke import ServiceError, UrlTarget, build_request
+from fish_sm.cli import main
+
+RATE = 16000
+SECONDS_PER_CHAR = 0.01
+
+
+def wav_for(text: str) -> bytes:
+    n = int(len(text) * SECONDS_PER_CHAR * RATE)
+    buf = io.BytesIO()
+    sf.write(buf, (0.1 * np.sin(np.arange(n) / 8)).astype(np.float32), RATE, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+class Handler(BaseHTTPRequestHandler):
+    """The SageMaker container contract, in miniature: audio whose length follows the text."""
+
+    requests: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/ping" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Handler.requests.append((body, self.headers.get("Accept")))
+        text = body["text"]
+        if "fail500" in text or "fail400" in text:
+            code = 500 if "fail500" in text else 400
+            payload = json.dumps({"error": f"refused: {text}"}).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+        else:
+            code, payload = 200, wav_for(text)
+            self.send_response(200)
+            self.send_header("Content-Type", "audio/wav")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+TEXTS = ["Short one.", "A somewhat longer sentence for the benchmark.", "please fail500 now", "bad fail400 request",
+         "The last and longest line of this small benchmark file, spoken slowly."]
+
+
+def test_bench_url_reports_figures_errors_and_plots(server_url, tmp_path):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS[:4]) + "\n\n" + json.dumps({"text": TEXTS[4], "temperature": 0.5}) + "\n")
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["bench", "--url", server_url, "--concurrency", "3,1", "--requests", "10",
+                                       "--texts", str(texts), "--warmup", "1", "--seed", "7", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "p50 s" in result.output and "audio s/s" in result.output and "HTTP 500: 2" in result.output
+
+    report = json.loads((out / "bench.json").read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 3]
+    good = [t for t in TEXTS if "fail" not in t]
+    # 10 requests cycle over 5 texts: each text twice per level.
+    expected_audio = 2 * sum(int(len(t) * SECONDS_PER_CHAR * RATE) / RATE for t in good)
+    for lv in report["levels"]:
+        assert lv["requests"] == 10 and lv["ok"] == 6
+        assert lv["errors"] == {"HTTP 400": 2, "HTTP 500": 2}
+        assert "refused: please fail500 now" in lv["error_examples"]["HTTP 500"]
+        lat = lv["latency_s"]
+        assert 0 < lat["min"] <= lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
+        assert lv["audio_seconds"] == pytest.approx(expected_audio, rel=1e-6)
+        assert lv["rps"] == pytest.approx(6 / lv["wall_s"])
+        assert lv["audio_seconds_per_wall_second"] == pytest.approx(expected_audio / lv["wall_s"])
+        assert lv["rtf"]["p50"] > 0
+    assert len(report["samples"]) == 20 and report["warmup"] == 1
+    # Every request carried the shared options; JSON lines kept their own fields.
+    sent = [r for r, accept in Handler.requests if accept == "audio/wav"]
+    assert all(r["seed"] == 7 and r["format"] == "wav" for r in sent)
+    assert any(r.get("temperature") == 0.5 for r in sent)
+
+    page = (out / "bench.html").read_text()
+    images = page.count('src="data:image/png;base64,')
+    assert images == 3 and "Latency distribution per concurrency" in page and "Throughput against concurrency" in page
+    first = page.split('src="data:image/png;base64,')[1].split('"')[0]
+    assert base64.b64decode(first)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "refused: bad fail400 request" in page
+
+
+def test_invoke_url_writes_audio_and_reports_server_errors(server_url, tmp_path):
+    ref = tmp_path / "ref.wav"
+    ref.write_bytes(wav_for("reference"))
+    out = tmp_path / "out" / "hello.wav"
+    result = CliRunner().invoke(main, ["invoke", "--url", server_url + "/invocations", "--text", "Hello there, world.",
+                                       "-o", str(out), "--reference", str(ref), "--reference-text", "The reference.",
+                                       "--seed", "3", "--temperature", "0.7"])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == wav_for("Hello there, world.")
+    assert "0.19 s of audio" in result.output and "audio/wav" in result.output
+    body, accept = Handler.requests[-1]
+    assert accept == "audio/wav" and body["seed"] == 3 and body["temperature"] == 0.7
+    assert base64.b64decode(body["reference"]["audio"]) == ref.read_bytes()
+    assert body["reference"]["text"] == "The reference."
+
+    result = CliRunner().invoke(main, ["invoke", "--url", server_url, "--text", "x fail400 y", "-o", str(tmp_path / "e.ogg")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip() == f"Error: {server_url} answered 400: refused: x fail400 y"
+    assert Handler.requests[-1][1] == "audio/ogg"  # the format follows the output's extension
+
+
+def test_url_target_error_kinds(server_url):
+    with pytest.raises(ServiceError) as err:
+        UrlTarget(server_url).send({"text": "fail500"})
+    assert err.value.kind == "HTTP 500" and err.value.status == 500
+    port = b.free_port()  # nothing listens there
+    with pytest.raises(ServiceError) as err:
+        UrlTarget(f"http://127.0.0.1:{port}").send({"text": "hi"})
+    assert err.value.kind == "connection"
+
+
+def test_summarize_on_known_samples():
+    samples = [b.Sample(4, i, 0.0, lat, True, "ok", audio, 10) for i, (lat, audio) in
+               enumerate([(1.0, 2.0), (2.0, 4.0), (3.0, 3.0), (4.0, None)])]
+    samples += [b.Sample(4, 9, 0.0, 0.5, False, "timeout", None, 10, "no answer"),
+                b.Sample(4, 10, 0.0, 0.1, False, "HTTP 503", None, 10, "busy"),
+                b.Sample(4, 11, 0.0, 0.1, False, "HTTP 503", None, 10, "busy again")]
+    s = b.summarize(samples, wall_s=5.0, concurrency=4)
+    assert s["requests"] == 7 and s["ok"] == 4
+    assert s["errors"] == {"HTTP 503": 2, "timeout": 1} and s["error_examples"]["HTTP 503"] == "busy"
+    assert s["latency_s"]["p50"] == pytest.approx(2.5) and s["latency_s"]["mean"] == pytest.approx(2.5)
+    assert s["latency_s"]["p95"] == pytest.approx(np.percentile([1, 2, 3, 4], 95))
+    assert s["latency_s"]["p99"] == pytest.approx(3.97)
+    assert s["rps"] == pytest.approx(4 / 5) and s["audio_seconds"] == pytest.approx(9.0)
+    assert s["audio_seconds_per_wall_second"] == pytest.approx(9.0 / 5)
+    assert s["rtf"]["p50"] == pytest.approx(0.5) and s["rtf"]["mean"] == pytest.approx((0.5 + 0.5 + 1.0) / 3)
+    empty = b.summarize([b.Sample(1, 0, 0.0, 0.1, False, "connection", None, 3, "refused")], 0.1, 1)
+    assert empty["latency_s"]["p50"] is None and empty["rps"] == 0.0
+    table = b.format_table({"levels": [s, empty]})
+    assert "4/7" in table and "HTTP 503: 2, timeout: 1" in table and "0/1" in table
+
+
+def test_bench_input_checks(tmp_path):
+    with pytest.raises(Exception, match="at least 1"):
+        b.parse_concurrency("0,2")
+    with pytest.raises(Exception, match="numbers separated by commas"):
+        b.parse_concurrency("one")
+    assert b.parse_concurrency("16, 1,4,4") == [1, 4, 16]
+    bad = tmp_path / "bad.txt"
+    bad.write_text('{"text": ""}\n')
+    with pytest.raises(Exception, match="non-empty"):
+        b.load_texts(bad)
+    with pytest.raises(Exception, match="empty"):
+        build_request("   ")
+
+
+SERVER_SCRIPT = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+print("ready", flush=True)
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_local_server_is_started_and_always_stopped(tmp_path, monkeypatch):
+    script = tmp_path / "server.py"
+    script.write_text(SERVER_SCRIPT)
+    port = b.free_port()
+    monkeypatch.setattr(b, "free_port", lambda: port)
+    procs = []
+    real_popen = b.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        procs.append(real_popen(*args, **kwargs))
+        return procs[-1]
+
+    monkeypatch.setattr(b.subprocess, "Popen", popen)
+    with pytest.raises(RuntimeError, match="bench blew up"):
+        with b.local_server(tmp_path, log_path=tmp_path / "serve.log", startup_timeout_s=30,
+                            command=[sys.executable, str(script), str(port)]) as url:
+            assert url == f"http://127.0.0.1:{port}" and procs[0].poll() is None
+            raise RuntimeError("bench blew up")
+    assert procs[0].poll() is not None  # stopped although the block failed
+    assert "ready" in (tmp_path / "serve.log").read_text()
+
+    with pytest.raises(AWSError, match="exited with code 3 before it was ready: boom"):
+        with b.local_server(tmp_path, log_path=tmp_path / "serve2.log", startup_timeout_s=30,
+                            command=[sys.executable, "-c", "print('boom'); raise SystemExit(3)"]):
+            pass
+    # By default the server is `python -m fish_sm.cli serve MODEL_DIR --port N`.
+    monkeypatch.setattr(b, "ping", lambda url, timeout_s: False)
+    with pytest.raises(AWSError):
+        with b.local_server(tmp_path, log_path=tmp_path / "serve3.log", startup_timeout_s=0.5):
+            pass
+    assert procs[-1].args[:4] == [sys.executable, "-m", "fish_sm.cli", "serve"]
+    assert procs[-1].args[4:] == [str(tmp_path), "--port", str(port)] and procs[-1].poll() is not None

@@ -1,0 +1,234 @@
+"""What moto cannot run, checked request by request against the real service models with botocore's Stubber:
+the blue/green update with auto-rollback, a rolled-back update, and the stock container's image lookup."""
+
+import datetime
+import sys
+import types
+
+import boto3
+import pytest
+from botocore.stub import ANY, Stubber
+
+from fish_sm.aws import AWSError
+from fish_sm.aws import deploy as d
+from fish_sm.aws.s3 import parse_s3_uri
+from fish_sm.aws.session import AWS
+
+NAME = "tts"
+STAMP = "20250102030405678"
+NEW = f"{NAME}-{STAMP}"
+OLD = f"{NAME}-20240101000000000"
+RID = f"endpoint/{NAME}/variant/AllTraffic"
+ROLE = "arn:aws:iam::123456789012:role/fish-sm"
+NOW = datetime.datetime(2025, 1, 2, tzinfo=datetime.timezone.utc)
+POLICY_ARN = ("arn:aws:autoscaling:us-east-1:123456789012:scalingPolicy:11111111-2222-3333-4444-555555555555:"
+              f"resource/sagemaker/{RID}:policyName/fish-sm-concurrency")
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """An AWS whose clients are real botocore clients (real service models) answered by Stubbers."""
+    monkeypatch.setattr(d, "new_stamp", lambda: STAMP)
+    session = boto3.Session(aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
+    aws = AWS(region="us-east-1")
+    aws._session = session
+    stubs = {}
+    for service in ("sagemaker", "s3", "application-autoscaling", "cloudwatch"):
+        c = session.client(service)
+        aws._clients[service] = c
+        stubs[service] = Stubber(c)
+        stubs[service].activate()
+    yield aws, stubs
+    for s in stubs.values():
+        s.deactivate()
+
+
+def endpoint(status, config, reason=None):
+    out = {"EndpointName": NAME, "EndpointArn": f"arn:aws:sagemaker:us-east-1:123456789012:endpoint/{NAME}",
+           "EndpointConfigName": config, "EndpointStatus": status, "CreationTime": NOW, "LastModifiedTime": NOW,
+           "ProductionVariants": [{"VariantName": "AllTraffic", "CurrentInstanceCount": 1, "DesiredInstanceCount": 1}]}
+    if reason:
+        out["FailureReason"] = reason
+    return out
+
+
+def request(**overrides):
+    scaling = d.make_autoscaling(instances=1, min_instances=None, max_instances=4, target=None, metric="concurrency",
+                                 is_async=False, scale_to_zero=False)
+    fields = dict(name=NAME, model_data=parse_s3_uri("s3://models/tts/model.tar.gz"), role=ROLE,
+                  instance_type="ml.g6e.2xlarge", image="123456789012.dkr.ecr.us-east-1.amazonaws.com/fish-sm:0.1",
+                  env={"FISH_SM_QUANTIZE": "int8"}, autoscaling=scaling, bake_seconds=600, rollback_errors=3)
+    fields.update(overrides)
+    return d.DeployRequest(**fields)
+
+
+def expect_update_start(stubs, old_instance_type, refuse_update=False):
+    sm, s3, aa, cw = (stubs[k] for k in ("sagemaker", "s3", "application-autoscaling", "cloudwatch"))
+    sm.add_response("describe_endpoint", endpoint("InService", OLD), {"EndpointName": NAME})
+    s3.add_response("head_object", {"ContentLength": 7}, {"Bucket": "models", "Key": "tts/model.tar.gz"})
+    sm.add_response("create_model", {"ModelArn": f"arn:aws:sagemaker:us-east-1:123456789012:model/{NEW}"}, {
+        "ModelName": NEW, "ExecutionRoleArn": ROLE,
+        "PrimaryContainer": {"Image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/fish-sm:0.1",
+                             "ModelDataUrl": "s3://models/tts/model.tar.gz",
+                             "Environment": {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20", "FISH_SM_QUANTIZE": "int8"}},
+        "Tags": [{"Key": "fish-sm:endpoint", "Value": NAME}]})
+    sm.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:123456789012:endpoint-config/x"}, {
+        "EndpointConfigName": NEW, "Tags": [{"Key": "fish-sm:endpoint", "Value": NAME}],
+        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": NEW, "InitialInstanceCount": 1,
+                                "InstanceType": "ml.g6e.2xlarge", "ContainerStartupHealthCheckTimeoutInSeconds": 1800,
+                                "ModelDataDownloadTimeoutInSeconds": 1800,
+                                "RoutingConfig": {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}}]})
+    cw.add_response("put_metric_alarm", {}, {
+        "AlarmName": "fish-sm/tts/invocation-5xx", "AlarmDescription": ANY, "Namespace": "AWS/SageMaker",
+        "MetricName": "Invocation5XXErrors", "Statistic": "Sum", "Period": 60, "EvaluationPeriods": 1,
+        "Threshold": 3.0, "ComparisonOperator": "GreaterThanOrEqualToThreshold", "TreatMissingData": "notBreaching",
+        "Dimensions": [{"Name": "EndpointName", "Value": NAME}, {"Name": "VariantName", "Value": "AllTraffic"}]})
+    sm.add_response("describe_endpoint_config", {
+        "EndpointConfigName": OLD, "EndpointConfigArn": "arn:aws:sagemaker:us-east-1:123456789012:endpoint-config/old",
+        "CreationTime": NOW, "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": OLD,
+                                                     "InitialInstanceCount": 1, "InstanceType": old_instance_type}]},
+        {"EndpointConfigName": OLD})
+    target = {"ServiceNamespace": "sagemaker", "ResourceId": RID, "ScalableDimension": d.DIMENSION, "MinCapacity": 1,
+              "MaxCapacity": 2, "RoleARN": "arn:aws:iam::123456789012:role/aas", "CreationTime": NOW}
+    targets_query = {"ServiceNamespace": "sagemaker", "ResourceIds": [RID], "ScalableDimension": d.DIMENSION}
+    policies_query = {"ServiceNamespace": "sagemaker", "ResourceId": RID, "ScalableDimension": d.DIMENSION}
+    policy = {"PolicyARN": POLICY_ARN, "PolicyName": "fish-sm-concurrency", "ServiceNamespace": "sagemaker",
+              "ResourceId": RID, "ScalableDimension": d.DIMENSION, "PolicyType": "TargetTrackingScaling",
+              "CreationTime": NOW}
+    if old_instance_type != "ml.g6e.2xlarge":
+        # The instance type changes: autoscaling is detached first, as SageMaker requires.
+        aa.add_response("describe_scalable_targets", {"ScalableTargets": [target]}, targets_query)
+        aa.add_response("describe_scaling_policies", {"ScalingPolicies": [policy]}, policies_query)
+        aa.add_response("delete_scaling_policy", {}, {"PolicyName": "fish-sm-concurrency", **policies_query})
+        aa.add_response("describe_scalable_targets", {"ScalableTargets": [target]}, targets_query)
+        aa.add_response("deregister_scalable_target", {}, policies_query)
+        cw.add_response("describe_alarms", {"MetricAlarms": []},
+                        {"AlarmNamePrefix": "fish-sm/tts/has-backlog-without-capacity", "AlarmTypes": ["MetricAlarm"]})
+    if refuse_update:
+        sm.add_client_error("update_endpoint", "ValidationException", "Cannot update in-progress endpoint")
+        return policy, policies_query
+    sm.add_response("update_endpoint", {"EndpointArn": endpoint("Updating", NEW)["EndpointArn"]}, {
+        "EndpointName": NAME, "EndpointConfigName": NEW,
+        "DeploymentConfig": {
+            "BlueGreenUpdatePolicy": {
+                "TrafficRoutingConfiguration": {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": 600},
+                "TerminationWaitInSeconds": 0, "MaximumExecutionTimeoutInSeconds": 7800},
+            "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": "fish-sm/tts/invocation-5xx"}]}}})
+    return policy, policies_query
+
+
+def test_update_is_blue_green_with_rollback_alarm_and_reattaches_autoscaling(stubbed):
+    aws, stubs = stubbed
+    sm, aa, cw = stubs["sagemaker"], stubs["application-autoscaling"], stubs["cloudwatch"]
+    policy, policies_query = expect_update_start(stubs, old_instance_type="ml.g5.2xlarge")
+    sm.add_response("describe_endpoint", endpoint("Updating", OLD), {"EndpointName": NAME})
+    sm.add_response("describe_endpoint", endpoint("InService", NEW), {"EndpointName": NAME})
+    aa.add_response("register_scalable_target", {}, {**policies_query, "MinCapacity": 1, "MaxCapacity": 4})
+    aa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN, "Alarms": []}, {
+        "PolicyName": "fish-sm-concurrency", **policies_query, "PolicyType": "TargetTrackingScaling",
+        "TargetTrackingScalingPolicyConfiguration": {
+            "TargetValue": 2.0, "ScaleInCooldown": 300, "ScaleOutCooldown": 60,
+            "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerVariantConcurrentRequestsPerModelHighResolution"}}})
+    aa.add_response("describe_scaling_policies", {"ScalingPolicies": [policy]}, policies_query)
+    cw.add_response("describe_alarms", {"MetricAlarms": []},
+                    {"AlarmNamePrefix": "fish-sm/tts/has-backlog-without-capacity", "AlarmTypes": ["MetricAlarm"]})
+    lines = []
+    result = d.deploy(aws, request(), poll_s=0, log=lines.append)
+    assert result.action == "updated" and result.config_name == NEW and result.endpoint["EndpointConfigName"] == NEW
+    assert any("blue/green" in line and "invocation-5xx" in line for line in lines)
+    assert any("removed scalable target" in line and "instance type changes from ml.g5.2xlarge" in line for line in lines)
+    assert [line for line in lines if "] tts:" in line] == ["[00:00] tts: Updating", "[00:00] tts: InService"]
+    for s in stubs.values():
+        s.assert_no_pending_responses()
+
+
+def test_rolled_back_update_is_a_failure(stubbed):
+    aws, stubs = stubbed
+    expect_update_start(stubs, old_instance_type="ml.g6e.2xlarge")
+    sm = stubs["sagemaker"]
+    sm.add_response("describe_endpoint", endpoint("RollingBack", OLD), {"EndpointName": NAME})
+    sm.add_response("describe_endpoint", endpoint("InService", OLD, reason="Alarm fish-sm/tts/invocation-5xx fired"),
+                    {"EndpointName": NAME})
+    with pytest.raises(AWSError, match=r"update of tts was rolled back \(Alarm fish-sm/tts/invocation-5xx fired\); "
+                                       rf"it still serves {OLD}"):
+        d.deploy(aws, request(), poll_s=0)
+    for s in stubs.values():
+        s.assert_no_pending_responses()
+
+
+def test_failed_update_api_call_removes_the_new_model_and_config(stubbed):
+    aws, stubs = stubbed
+    sm = stubs["sagemaker"]
+    expect_update_start(stubs, old_instance_type="ml.g6e.2xlarge", refuse_update=True)
+    sm.add_response("delete_endpoint_config", {}, {"EndpointConfigName": NEW})
+    sm.add_response("delete_model", {}, {"ModelName": NEW})
+    with pytest.raises(Exception, match="Cannot update in-progress endpoint"):
+        d.deploy(aws, request(), poll_s=0)
+    sm.assert_no_pending_responses()
+
+
+def test_wait_reports_failure_reason(stubbed):
+    aws, stubs = stubbed
+    sm = stubs["sagemaker"]
+    sm.add_response("describe_endpoint", endpoint("Creating", NEW), {"EndpointName": NAME})
+    sm.add_response("describe_endpoint", endpoint("Failed", NEW, reason="CUDA out of memory during warm-up"),
+                    {"EndpointName": NAME})
+    with pytest.raises(AWSError, match="endpoint tts is Failed: CUDA out of memory during warm-up"):
+        d.wait_endpoint(aws, NAME, poll_s=0)
+
+
+def test_stock_container_image_from_the_sdk(monkeypatch):
+    calls = []
+
+    def retrieve(**kwargs):
+        calls.append(kwargs)
+        return "763104351884.dkr.ecr.eu-west-1.amazonaws.com/pytorch-inference:2.6.0-gpu-py312"
+
+    sagemaker = types.ModuleType("sagemaker")
+    core = types.ModuleType("sagemaker.core")
+    image_uris = types.ModuleType("sagemaker.core.image_uris")
+    image_uris.retrieve = retrieve
+    core.image_uris = image_uris
+    sagemaker.core = core
+    for name, module in (("sagemaker", sagemaker), ("sagemaker.core", core), ("sagemaker.core.image_uris", image_uris)):
+        monkeypatch.setitem(sys.modules, name, module)
+    uri = d.stock_image_uri("eu-west-1", "ml.g5.xlarge")
+    assert uri.endswith("pytorch-inference:2.6.0-gpu-py312")
+    assert calls == [dict(framework="pytorch", region="eu-west-1", version="2.6", py_version="py312",
+                          instance_type="ml.g5.xlarge", image_scope="inference")]
+
+
+def test_stock_container_without_the_sdk_asks_for_image(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sagemaker.core", None)  # import fails as if not installed
+    with pytest.raises(AWSError, match=r"pip install 'fish-sm\[sdk\]', or pass the image with --image"):
+        d.stock_image_uri("us-east-1", "ml.g5.xlarge")
+
+
+def test_stock_container_environment():
+    env = d.container_environment({"SAGEMAKER_TS_MAX_WORKERS": "2", "FISH_SM_WARMUP": "0"}, stock_container=True,
+                                  instance_type="ml.p5.48xlarge")
+    assert env["SAGEMAKER_TS_MIN_WORKERS"] == "8" and env["SAGEMAKER_TS_MAX_WORKERS"] == "2"  # the user's value wins
+    assert env["FISH_SM_WARMUP"] == "0" and env["SAGEMAKER_PROGRAM"] == "inference.py"
+    notes = []
+    env = d.container_environment({}, stock_container=True, instance_type="ml.g7.xlarge", log=notes.append)
+    assert env["SAGEMAKER_TS_MIN_WORKERS"] == "1" and "not in fish-sm's GPU table" in notes[0]
+    assert d.container_environment({}, stock_container=False, instance_type="ml.g5.xlarge") == \
+        {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20"}
+    assert [d.gpu_count(t)[0] for t in ("ml.g4dn.xlarge", "ml.g5.12xlarge", "ml.g6.48xlarge", "ml.g6e.24xlarge",
+                                         "ml.p4d.24xlarge")] == [1, 4, 8, 4, 8]
+
+
+def test_async_scale_to_zero_requests_match_the_service_models():
+    """The async policies and alarms, validated against the real application-autoscaling and cloudwatch models."""
+    session = boto3.Session(aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
+    aa, cw = session.client("application-autoscaling"), session.client("cloudwatch")
+    scaling = d.make_autoscaling(instances=1, min_instances=None, max_instances=5, target=None, metric="concurrency",
+                                 is_async=True, scale_to_zero=True)
+    assert (scaling.min, scaling.max, scaling.metric, scaling.target) == (0, 5, "backlog", 2.0)
+    with Stubber(aa) as sa, Stubber(cw) as sc:
+        sa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN}, d.policy_request(NAME, scaling))
+        sa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN}, d.wake_policy_request(NAME))
+        sc.add_response("put_metric_alarm", {}, d.wake_alarm_request(NAME, POLICY_ARN))
+        aa.put_scaling_policy(**d.policy_request(NAME, scaling))
+        aa.put_scaling_policy(**d.wake_policy_request(NAME))
+        cw.put_metric_alarm(**d.wake_alarm_request(NAME, POLICY_ARN))

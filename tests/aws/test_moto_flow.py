@@ -1,0 +1,251 @@
+"""The AWS commands end to end against moto's standalone server, reached over HTTP with --endpoint-url.
+
+package -> multipart upload -> deploy real-time with autoscaling -> deploy async with scale
+to zero -> status, invoke, transform -> delete (twice). Each step is checked with AWS's own
+describe calls, not only with what the command printed.
+"""
+
+import hashlib
+import json
+import os
+import urllib.request
+
+import boto3
+import pytest
+from botocore.config import Config
+from click.testing import CliRunner
+from moto.server import ThreadedMotoServer
+
+from fish_sm.cli import main
+
+ROLE = "arn:aws:iam::123456789012:role/fish-sm-test"
+BUCKET = "fish-sm-test"
+SNS_OK = "arn:aws:sns:us-east-1:123456789012:tts-done"
+SNS_ERR = "arn:aws:sns:us-east-1:123456789012:tts-failed"
+
+
+@pytest.fixture(scope="module")
+def moto_url(tmp_path_factory):
+    """A moto server on a free port, with dummy credentials and nothing from ~/.aws."""
+    empty = tmp_path_factory.mktemp("aws-home")
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_CONFIG_FILE": str(empty / "config"), "AWS_SHARED_CREDENTIALS_FILE": str(empty / "credentials")}
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION"):
+            mp.delenv(key, raising=False)
+        for key, value in env.items():
+            mp.setenv(key, value)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+
+
+def client(url, service):
+    return boto3.client(service, endpoint_url=url, region_name="us-east-1",
+                        config=Config(s3={"addressing_style": "path"}))
+
+
+def cli(url, *args, ok=True):
+    result = CliRunner().invoke(main, [*map(str, args), "--endpoint-url", url])
+    assert "Traceback" not in result.output
+    if ok:
+        assert result.exit_code == 0, result.output
+    else:
+        assert result.exit_code == 1, result.output
+        lines = result.output.strip().splitlines()
+        assert lines[-1].startswith("Error: "), result.output
+    return result.output
+
+
+def make_package_dir(root, weight_bytes):
+    files = {"config.json": b"{}", "model.pth": os.urandom(weight_bytes), "codec.pth": b"\x02" * 100,
+             "tokenizer.tiktoken": b"", "special_tokens.json": b"{}", "code/inference.py": b"# handler\n",
+             "code/requirements.txt": b"", "voices/alice/transcript.txt": b"Hi.", "manifest.json": b"{}"}
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return root
+
+
+def test_package_and_multipart_upload(moto_url, tmp_path):
+    client(moto_url, "s3").create_bucket(Bucket=BUCKET)
+    src = make_package_dir(tmp_path / "pkg", 11 * 1024 * 1024)  # random: stays > 10 MiB compressed
+    out = tmp_path / "model.tar.gz"
+    printed = cli(moto_url, "package", src, "-o", out, "--upload", f"s3://{BUCKET}/models/v1/", "--part-size", 5)
+    uri = f"s3://{BUCKET}/models/v1/model.tar.gz"
+    assert printed.strip().splitlines()[-1] == uri
+    s3 = client(moto_url, "s3")
+    head = s3.head_object(Bucket=BUCKET, Key="models/v1/model.tar.gz")
+    assert head["ETag"].strip('"').endswith("-3")  # three 5 MiB parts: a multipart upload
+    assert head["ContentLength"] == out.stat().st_size and head["ContentType"] == "application/gzip"
+    body = s3.get_object(Bucket=BUCKET, Key="models/v1/model.tar.gz")["Body"].read()
+    assert hashlib.sha256(body).hexdigest() == hashlib.sha256(out.read_bytes()).hexdigest()
+
+    # An exact key instead of a prefix keeps the given name.
+    cli(moto_url, "package", src, "-o", out, "--upload", f"s3://{BUCKET}/exact/name.tar.gz")
+    assert s3.head_object(Bucket=BUCKET, Key="exact/name.tar.gz")["ContentLength"] == out.stat().st_size
+
+
+def _variant(sm, config_name):
+    return sm.describe_endpoint_config(EndpointConfigName=config_name)["ProductionVariants"][0]
+
+
+def test_deploy_status_invoke_transform_delete(moto_url, tmp_path):
+    s3, sm = client(moto_url, "s3"), client(moto_url, "sagemaker")
+    aa, cw = client(moto_url, "application-autoscaling"), client(moto_url, "cloudwatch")
+    s3.create_bucket(Bucket="fish-sm-flow")
+    s3.put_object(Bucket="fish-sm-flow", Key="m/model.tar.gz", Body=b"tarball")
+    model_data = "s3://fish-sm-flow/m/model.tar.gz"
+
+    # Real-time, our own image, autoscaling on concurrency.
+    printed = cli(moto_url, "deploy", "tts-rt", "--model-data", model_data, "--role", ROLE, "--image", "123.dkr/fish-sm:1",
+                  "--instance-type", "ml.g4dn.xlarge", "--instances", 2, "--max", 4, "--target", 3,
+                  "--env", "FISH_SM_COMPILE=1", "--env", "FISH_SM_DEFAULT_VOICE=alice", "--poll", 0.01)
+    assert "InService" in printed and "endpoint tts-rt created" in printed
+    ep = sm.describe_endpoint(EndpointName="tts-rt")
+    assert ep["EndpointStatus"] == "InService" and ep["EndpointConfigName"].startswith("tts-rt-")
+    variant = _variant(sm, ep["EndpointConfigName"])
+    assert variant["InstanceType"] == "ml.g4dn.xlarge" and variant["InitialInstanceCount"] == 2
+    assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 1800
+    assert variant["ModelDataDownloadTimeoutInSeconds"] == 1800
+    assert variant["RoutingConfig"] == {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}
+    container = sm.describe_model(ModelName=variant["ModelName"])["PrimaryContainer"]
+    assert container["Image"] == "123.dkr/fish-sm:1" and container["ModelDataUrl"] == model_data
+    assert container["Environment"] == {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20", "FISH_SM_COMPILE": "1",
+                                        "FISH_SM_DEFAULT_VOICE": "alice"}
+    rid = "endpoint/tts-rt/variant/AllTraffic"
+    target, = aa.describe_scalable_targets(ServiceNamespace="sagemaker", ResourceIds=[rid])["ScalableTargets"]
+    assert (target["MinCapacity"], target["MaxCapacity"]) == (2, 4)
+    policy, = aa.describe_scaling_policies(ServiceNamespace="sagemaker", ResourceId=rid)["ScalingPolicies"]
+    tt = policy["TargetTrackingScalingPolicyConfiguration"]
+    assert tt["TargetValue"] == 3.0
+    assert tt["PredefinedMetricSpecification"]["PredefinedMetricType"] == \
+        "SageMakerVariantConcurrentRequestsPerModelHighResolution"
+    alarm, = cw.describe_alarms(AlarmNamePrefix="fish-sm/tts-rt/")["MetricAlarms"]
+    assert alarm["AlarmName"] == "fish-sm/tts-rt/invocation-5xx" and alarm["MetricName"] == "Invocation5XXErrors"
+    assert {d["Name"]: d["Value"] for d in alarm["Dimensions"]} == {"EndpointName": "tts-rt", "VariantName": "AllTraffic"}
+
+    # Async on the stock container, scale to zero, SNS topics.
+    printed = cli(moto_url, "deploy", "tts-async", "--model-data", model_data, "--role", ROLE, "--stock-container",
+                  "--image", "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-inference:2.6-gpu-py312",
+                  "--instance-type", "ml.g4dn.12xlarge", "--async", "--output", "s3://fish-sm-flow/async/out/",
+                  "--sns-success", SNS_OK, "--sns-error", SNS_ERR, "--max-concurrent", 2, "--scale-to-zero",
+                  "--max", 3, "--poll", 0.01)
+    assert "has-backlog-without-capacity" in printed
+    config = sm.describe_endpoint_config(EndpointConfigName=sm.describe_endpoint(EndpointName="tts-async")["EndpointConfigName"])
+    assert config["AsyncInferenceConfig"] == {
+        "OutputConfig": {"S3OutputPath": "s3://fish-sm-flow/async/out/", "S3FailurePath": "s3://fish-sm-flow/async/out-failures/",
+                         "NotificationConfig": {"SuccessTopic": SNS_OK, "ErrorTopic": SNS_ERR}},
+        "ClientConfig": {"MaxConcurrentInvocationsPerInstance": 2}}
+    assert "RoutingConfig" not in config["ProductionVariants"][0]
+    env = sm.describe_model(ModelName=config["ProductionVariants"][0]["ModelName"])["PrimaryContainer"]["Environment"]
+    assert env["SAGEMAKER_PROGRAM"] == "inference.py" and env["SAGEMAKER_SUBMIT_DIRECTORY"] == "/opt/ml/model/code"
+    assert env["SAGEMAKER_TS_MIN_WORKERS"] == env["SAGEMAKER_TS_MAX_WORKERS"] == "4"  # 4 GPUs on a g4dn.12xlarge
+    assert env["TS_MAX_RESPONSE_SIZE"] == env["TS_MAX_REQUEST_SIZE"] == "104857600"
+    assert env["SAGEMAKER_MODEL_SERVER_TIMEOUT"] == env["TS_DEFAULT_STARTUP_TIMEOUT"] == "900"
+    rid = "endpoint/tts-async/variant/AllTraffic"
+    target, = aa.describe_scalable_targets(ServiceNamespace="sagemaker", ResourceIds=[rid])["ScalableTargets"]
+    assert (target["MinCapacity"], target["MaxCapacity"]) == (0, 3)
+    policies = {p["PolicyName"]: p for p in aa.describe_scaling_policies(ServiceNamespace="sagemaker", ResourceId=rid)["ScalingPolicies"]}
+    assert set(policies) == {"fish-sm-backlog", "fish-sm-wake-from-zero"}
+    metric = policies["fish-sm-backlog"]["TargetTrackingScalingPolicyConfiguration"]["CustomizedMetricSpecification"]
+    assert metric["MetricName"] == "ApproximateBacklogSizePerInstance"
+    assert metric["Dimensions"] == [{"Name": "EndpointName", "Value": "tts-async"}]
+    step = policies["fish-sm-wake-from-zero"]["StepScalingPolicyConfiguration"]
+    assert step["StepAdjustments"] == [{"MetricIntervalLowerBound": 0.0, "ScalingAdjustment": 1}]
+    wake, = cw.describe_alarms(AlarmNames=["fish-sm/tts-async/has-backlog-without-capacity"])["MetricAlarms"]
+    assert wake["MetricName"] == "HasBacklogWithoutCapacity"
+    assert wake["AlarmActions"] == [policies["fish-sm-wake-from-zero"]["PolicyARN"]]
+
+    # status, as text and JSON.
+    printed = cli(moto_url, "status", "tts-rt")
+    assert "tts-rt: InService" in printed and "autoscaling 2-4 instances" in printed and "invocation-5xx" in printed
+    s = json.loads(cli(moto_url, "status", "tts-async", "--json"))
+    assert s["status"] == "InService" and s["instance_type"] == "ml.g4dn.12xlarge"
+    assert s["async"]["output"] == "s3://fish-sm-flow/async/out/" and s["async"]["max_concurrent"] == 2
+    assert s["autoscaling"]["min"] == 0 and {p["name"] for p in s["autoscaling"]["policies"]} == \
+        {"fish-sm-backlog", "fish-sm-wake-from-zero"}
+    assert {a["name"] for a in s["alarms"]} == {"fish-sm/tts-async/invocation-5xx",
+                                                 "fish-sm/tts-async/has-backlog-without-capacity"}
+
+    # invoke: real-time, then async with a result and with a failure (moto's queued answers).
+    def queue(path, results):
+        req = urllib.request.Request(f"{moto_url}/moto-api/static/sagemaker/{path}", method="POST",
+                                     data=json.dumps({"results": results}).encode())
+        urllib.request.urlopen(req).close()
+
+    queue("endpoint-results", [{"Body": "RIFF-fake-wav", "ContentType": "audio/wav",
+                                "InvokedProductionVariant": "AllTraffic", "CustomAttributes": ""}])
+    out = tmp_path / "rt.wav"
+    printed = cli(moto_url, "invoke", "tts-rt", "--text", "Hello.", "-o", out, "--seed", 1)
+    assert out.read_bytes() == b"RIFF-fake-wav" and "audio/wav" in printed
+    queue("async-endpoint-results", [{"data": "async audio bytes"},
+                                     {"is_failure": True, "data": '{"error": "text is too long"}'}])
+    out = tmp_path / "async.flac"
+    cli(moto_url, "invoke", "tts-async", "--async", "--text", "Hello.", "-o", out, "--poll", 0.01)
+    assert out.read_bytes() == b"async audio bytes"
+    uploaded = s3.list_objects_v2(Bucket="fish-sm-flow", Prefix="fish-sm/async-inputs/")["Contents"]
+    request = json.loads(s3.get_object(Bucket="fish-sm-flow", Key=uploaded[0]["Key"])["Body"].read())
+    assert request == {"text": "Hello.", "format": "flac"}
+    printed = cli(moto_url, "invoke", "tts-async", "--async", "--text", "Hello.", "-o", out, "--poll", 0.01, ok=False)
+    assert "failed the request: text is too long" in printed
+    printed = cli(moto_url, "invoke", "tts-rt", "--async", "--text", "Hi", ok=False)
+    assert "is real-time" in printed
+
+    # transform over JSON Lines with the real-time endpoint's model.
+    s3.put_object(Bucket="fish-sm-flow", Key="batch/in/requests.jsonl", Body=b'{"text": "One."}\n{"text": "Two."}\n')
+    s3.put_object(Bucket="fish-sm-flow", Key="batch/out/requests.jsonl.out", Body=b"{}\n{}\n")  # what SageMaker writes
+    s3.put_object(Bucket="fish-sm-flow", Key="batch/out/older-run.jsonl.out", Body=b"{}\n")
+    printed = cli(moto_url, "transform", "tts-rt", "--input", "s3://fish-sm-flow/batch/in/",
+                  "--output", "s3://fish-sm-flow/batch/out/", "--instances", 2, "--poll", 0.01)
+    assert "Completed: 1 result file(s) for 1 input(s)" in printed
+    assert "batch/out/requests.jsonl.out" in printed and "older-run" not in printed
+    job, = [j for j in sm.list_transform_jobs()["TransformJobSummaries"] if j["TransformJobName"].startswith("tts-rt-")]
+    desc = sm.describe_transform_job(TransformJobName=job["TransformJobName"])
+    assert desc["ModelName"] == variant["ModelName"] and desc["BatchStrategy"] == "SingleRecord"
+    assert desc["TransformInput"]["SplitType"] == "Line" and desc["TransformInput"]["ContentType"] == "application/jsonlines"
+    assert desc["TransformOutput"] == {"S3OutputPath": "s3://fish-sm-flow/batch/out/", "Accept": "application/jsonlines",
+                                       "AssembleWith": "Line"}
+    assert desc["TransformResources"] == {"InstanceType": "ml.g4dn.xlarge", "InstanceCount": 2}
+
+    # delete: everything goes, and a second delete says there is nothing left.
+    for name in ("tts-rt", "tts-async"):
+        printed = cli(moto_url, "delete", name)
+        assert f"removed endpoint {name}" in printed and "removed scalable target" in printed
+        assert "removed model" in printed and "removed endpoint config" in printed
+    assert sm.list_endpoints()["Endpoints"] == []
+    assert sm.list_endpoint_configs()["EndpointConfigs"] == []
+    assert sm.list_models()["Models"] == []
+    assert aa.describe_scalable_targets(ServiceNamespace="sagemaker")["ScalableTargets"] == []
+    assert aa.describe_scaling_policies(ServiceNamespace="sagemaker")["ScalingPolicies"] == []
+    assert cw.describe_alarms()["MetricAlarms"] == []
+    printed = cli(moto_url, "delete", "tts-rt")
+    assert printed.startswith("nothing to delete: no endpoint tts-rt")
+
+
+def test_redeploy_replaces_autoscaling_and_delete_leaves_other_endpoints(moto_url):
+    """A second endpoint whose name extends the first's is not touched by the first's delete."""
+    s3, sm = client(moto_url, "s3"), client(moto_url, "sagemaker")
+    aa = client(moto_url, "application-autoscaling")
+    s3.create_bucket(Bucket="fish-sm-two")
+    s3.put_object(Bucket="fish-sm-two", Key="model.tar.gz", Body=b"x")
+    common = ["--model-data", "s3://fish-sm-two/model.tar.gz", "--role", ROLE, "--image", "img",
+              "--instance-type", "ml.m5.xlarge", "--poll", 0.01]
+    cli(moto_url, "deploy", "voice", *common, "--max", 2, "--metric", "invocations")
+    cli(moto_url, "deploy", "voice-2", *common)
+    policy, = aa.describe_scaling_policies(ServiceNamespace="sagemaker",
+                                           ResourceId="endpoint/voice/variant/AllTraffic")["ScalingPolicies"]
+    assert policy["TargetTrackingScalingPolicyConfiguration"] == {
+        "TargetValue": 60.0, "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"},
+        "ScaleInCooldown": 300, "ScaleOutCooldown": 60}
+    cli(moto_url, "delete", "voice")
+    assert [e["EndpointName"] for e in sm.list_endpoints()["Endpoints"]] == ["voice-2"]
+    assert [m["ModelName"].rsplit("-", 1)[0] for m in sm.list_models()["Models"]] == ["voice-2"]
+    assert len(sm.list_endpoint_configs()["EndpointConfigs"]) == 1
+    printed = cli(moto_url, "delete", "voice-2")
+    assert "removed alarm fish-sm/voice-2/invocation-5xx" in printed
+    assert sm.list_models()["Models"] == []

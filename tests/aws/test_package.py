@@ -1,0 +1,194 @@
+"""model.tar.gz: reproducible bytes, the layout inside, --voice parsing, and the package command's wiring."""
+
+import gzip
+import hashlib
+import io
+import os
+import sys
+import tarfile
+import types
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fish_sm.aws.package import is_package_dir, make_tarball, parse_voice_spec, parse_voice_specs
+from fish_sm.cli import main
+from fish_sm.errors import InputError
+
+
+def make_package_dir(root: Path, weights: bytes = b"\x01" * 1000) -> Path:
+    """A hand-made directory in the package layout the handler reads."""
+    files = {
+        "config.json": b'{"preset": "tiny"}',
+        "model.pth": weights,
+        "codec.pth": b"\x02" * 500,
+        "tokenizer.tiktoken": b"aGVsbG8= 0\n",
+        "special_tokens.json": b"{}",
+        "code/inference.py": b"def model_fn(model_dir):\n    return model_dir\n",
+        "code/requirements.txt": b"soundfile\n",
+        "voices/alice/transcript.txt": b"Hello there.",
+        "voices/alice/voice.json": b'{"id": "alice"}',
+        "voices/alice/reference.wav": b"RIFF....WAVE",
+        "compile_cache/blob.bin": b"\x00" * 64,
+        "manifest.json": b'{"files": {}}',
+    }
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return root
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_tarball_is_reproducible_and_normalised(tmp_path):
+    a = make_package_dir(tmp_path / "a")
+    b = make_package_dir(tmp_path / "b")
+    # Different mtimes, permissions and creation order must not change a byte.
+    for i, p in enumerate(sorted(b.rglob("*"))):
+        os.utime(p, (1_000_000 + i, 2_000_000 + i))
+    (b / "code" / "inference.py").chmod(0o600)
+    (b / "config.json").chmod(0o664)
+
+    ta = make_tarball(a, tmp_path / "out1" / "model.tar.gz", progress=False)
+    tb = make_tarball(b, tmp_path / "out2" / "other-name.tar.gz", progress=False)
+    assert ta.sha256 == tb.sha256 == sha(ta.path) == sha(tb.path)
+    assert ta.size == ta.path.stat().st_size and ta.files == 12
+
+    raw = ta.path.read_bytes()
+    assert raw[:2] == b"\x1f\x8b" and raw[4:8] == b"\x00\x00\x00\x00"  # gzip mtime 0
+    assert raw[3] & 0x08 == 0  # FNAME flag unset: the output's name is not in the header
+    with tarfile.open(ta.path) as tar:
+        members = tar.getmembers()
+        names = [m.name for m in members]
+        assert names == sorted(names, key=str.encode)
+        assert "config.json" in names and "code/inference.py" in names and "voices/alice/voice.json" in names
+        assert not any(n.startswith(("./", "/")) for n in names)
+        assert {m.mtime for m in members} == {0}
+        assert {(m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, "", "")}
+        assert {m.mode for m in members if m.isfile()} == {0o644}
+        assert {m.mode for m in members if m.isdir()} == {0o755}
+        assert tar.extractfile("model.pth").read() == b"\x01" * 1000
+
+    # Changing one byte of content changes the hash.
+    (a / "model.pth").write_bytes(b"\x01" * 999 + b"\x02")
+    assert make_tarball(a, tmp_path / "out3.tar.gz", progress=False).sha256 != ta.sha256
+
+
+def test_tarball_follows_links_skips_its_own_output_and_keeps_exec_bits(tmp_path):
+    src = make_package_dir(tmp_path / "pkg")
+    (src / "code" / "run.sh").write_text("#!/bin/sh\n")
+    (src / "code" / "run.sh").chmod(0o755)
+    (tmp_path / "outside.bin").write_bytes(b"linked content")
+    (src / "voices" / "linked.bin").symlink_to(tmp_path / "outside.bin")
+    out = make_tarball(src, src / "model.tar.gz", progress=False)  # written inside the directory it archives
+    with tarfile.open(out.path) as tar:
+        names = tar.getnames()
+        assert "model.tar.gz" not in names and "model.tar.gz.partial" not in names
+        assert tar.getmember("code/run.sh").mode == 0o755
+        link = tar.getmember("voices/linked.bin")
+        assert link.isfile() and tar.extractfile(link).read() == b"linked content"
+
+
+def test_tarball_rejects_bad_input(tmp_path):
+    with pytest.raises(InputError, match="not a directory"):
+        make_tarball(tmp_path / "missing", tmp_path / "x.tar.gz", progress=False)
+    src = make_package_dir(tmp_path / "pkg")
+    (src / "voices" / "loop").symlink_to(src)
+    with pytest.raises(InputError, match="archived already"):
+        make_tarball(src, tmp_path / "x.tar.gz", progress=False)
+
+
+def test_voice_specs(tmp_path):
+    audio = tmp_path / "alice.wav"
+    audio.write_bytes(b"RIFF")
+    assert parse_voice_spec(f"alice={audio}:Hello: it's me.") == ("alice", audio, "Hello: it's me.")
+    (tmp_path / "t.txt").write_text("  From a file.\n")
+    assert parse_voice_spec(f"a-1={audio}:@{tmp_path / 't.txt'}")[2] == "From a file."
+    (tmp_path / "alice.lab").write_text("Sidecar transcript.")
+    assert parse_voice_spec(f"alice={audio}")[2] == "Sidecar transcript."
+    voices = parse_voice_specs([f"alice={audio}:One.", f"bob={audio}:Two."])
+    assert voices == {"alice": (audio, "One."), "bob": (audio, "Two.")}
+
+    bad = {
+        "alice": "ID=AUDIO",
+        f"={audio}:x": "ID=AUDIO",
+        f"bad id={audio}:x": "voice id",
+        f"alice={tmp_path / 'nope.wav'}:x": "audio file not found",
+        f"alice={audio}:@{tmp_path / 'nope.txt'}": "transcript file not found",
+        f"alice={audio}:   ": "empty",
+        f"alice={tmp_path / 't.txt'}:x": "not an audio file",
+    }
+    for spec, message in bad.items():
+        with pytest.raises(InputError, match=message):
+            parse_voice_spec(spec)
+    (tmp_path / "alice.lab").unlink()
+    with pytest.raises(InputError, match="no transcript"):
+        parse_voice_spec(f"alice={audio}")
+    with pytest.raises(InputError, match="twice"):
+        parse_voice_specs([f"alice={audio}:One.", f"alice={audio}:Two."])
+
+
+def test_package_command_archives_a_built_package_dir(tmp_path):
+    src = make_package_dir(tmp_path / "pkg")
+    assert is_package_dir(src) and not is_package_dir(tmp_path)
+    out = tmp_path / "dist" / "model.tar.gz"
+    result = CliRunner().invoke(main, ["package", str(src), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"sha256 {sha(out)}" in result.output and "12 files" in result.output
+    audio = tmp_path / "y.wav"
+    audio.write_bytes(b"RIFF")
+    result = CliRunner().invoke(main, ["package", str(src), "-o", str(out), "--voice", f"x={audio}:z"])
+    assert result.exit_code != 0 and "only when packaging a checkpoint" in result.output
+
+
+def test_package_command_builds_through_build_package_dir(tmp_path, monkeypatch):
+    """The command's wiring to the serving side: parsed voices and the cache go to build_package_dir."""
+    calls = []
+
+    def build_package_dir(checkpoint_dir, out_dir, voices, compile_cache=None):
+        calls.append((checkpoint_dir, out_dir, voices, compile_cache))
+        make_package_dir(out_dir)
+        return {"files": {}}
+
+    fake = types.ModuleType("fish_sm.serving.package")
+    fake.build_package_dir = build_package_dir
+    monkeypatch.setitem(sys.modules, "fish_sm.serving.package", fake)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    audio = tmp_path / "alice.flac"
+    audio.write_bytes(b"fLaC")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    out = tmp_path / "dist" / "model.tar.gz"
+    result = CliRunner().invoke(main, ["package", str(ckpt), "-o", str(out), "--voice", f"alice={audio}:Hi there.",
+                                       "--compile-cache", str(cache)])
+    assert result.exit_code == 0, result.output
+    (got_ckpt, got_out, got_voices, got_cache), = calls
+    assert got_ckpt == ckpt and got_voices == {"alice": (audio, "Hi there.")} and got_cache == cache
+    assert got_out.parent.parent == out.parent  # built next to the output, then removed
+    assert not got_out.exists() and sorted(p.name for p in out.parent.iterdir()) == ["model.tar.gz"]
+    assert "voices: alice" in result.output
+    with tarfile.open(out) as tar:
+        assert "manifest.json" in tar.getnames()
+
+
+def test_package_command_bad_voice_is_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for spec, message in [("alice", "ID=AUDIO"), (f"alice={tmp_path / 'missing.wav'}:Hi", "audio file not found")]:
+        result = CliRunner().invoke(main, ["package", str(ckpt), "-o", str(tmp_path / "m.tar.gz"), "--voice", spec])
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        last = result.output.strip().splitlines()
+        assert len(last) == 1 and last[0].startswith("Error:") and message in last[0], result.output
+
+
+def test_gzip_stream_decompresses_to_a_valid_tar(tmp_path):
+    src = make_package_dir(tmp_path / "pkg")
+    t = make_tarball(src, tmp_path / "m.tar.gz", compresslevel=9, progress=False)
+    data = gzip.decompress(t.path.read_bytes())
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert len([m for m in tar.getmembers() if m.isfile()]) == 12
