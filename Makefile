@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 CHECKPOINT := checkpoints/tiny
 
+STOCK := .venv-stock
+STOCK_PIP := $(STOCK)/bin/python -m pip --disable-pip-version-check -q
+
 .PHONY: run test install clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
@@ -25,8 +28,17 @@ $(CHECKPOINT)/config.json: | $(VENV)/.installed
 run: $(VENV)/.installed $(CHECKPOINT)/config.json
 	$(VENV)/bin/fish-sm synthesize $(CHECKPOINT) "Hello from fish-sm. This sentence was synthesized on a tiny random checkpoint." -o out/hello.wav --seed 0
 
-test: $(VENV)/.installed
+# The stock SageMaker PyTorch container's serving stack, for tests/serving/test_stock_container.py.
+# It ships its own copy of sagemaker_inference, so it cannot share .venv.
+$(STOCK)/.installed: code/requirements.txt
+	test -x $(STOCK)/bin/python || $(PYTHON) -m venv $(STOCK)
+	$(STOCK_PIP) install 'setuptools<81' wheel pyyaml
+	$(STOCK_PIP) install torch==2.13.0
+	$(STOCK_PIP) install torchserve==0.12.0 sagemaker-pytorch-inference==2.0.25 'setuptools<81' -r code/requirements.txt
+	touch $@
+
+test: $(VENV)/.installed $(STOCK)/.installed
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) checkpoints out
+	rm -rf $(VENV) $(STOCK) checkpoints out

@@ -302,15 +302,17 @@ def rollback_alarm_request(name: str, threshold: int) -> dict:
     )
 
 
-def deployment_config(name: str, bake_seconds: int) -> dict:
+def deployment_config(req: DeployRequest) -> dict:
+    """Blue/green, all traffic at once, then --bake seconds watched by the 5XX alarm before the old fleet goes."""
+    # Room for the green fleet's download and warm-up (twice, for a retried instance) plus the baking.
+    limit = 2 * (req.startup_timeout + req.download_timeout) + req.bake_seconds
     return {
         "BlueGreenUpdatePolicy": {
-            "TrafficRoutingConfiguration": {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": bake_seconds},
+            "TrafficRoutingConfiguration": {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": req.bake_seconds},
             "TerminationWaitInSeconds": 0,
-            # Room for the green fleet's download and warm-up plus the baking period.
-            "MaximumExecutionTimeoutInSeconds": min(28800, 2 * (STARTUP_TIMEOUT_S + DOWNLOAD_TIMEOUT_S) + bake_seconds),
+            "MaximumExecutionTimeoutInSeconds": max(600, min(28800, limit)),
         },
-        "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": rollback_alarm_name(name)}]},
+        "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": rollback_alarm_name(req.name)}]},
     }
 
 
@@ -403,7 +405,7 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
                 for line in remove_autoscaling(aws, req.name):
                     log(f"{line} (the instance type changes from {old})")
             sm.update_endpoint(EndpointName=req.name, EndpointConfigName=config_name,
-                               DeploymentConfig=deployment_config(req.name, req.bake_seconds))
+                               DeploymentConfig=deployment_config(req))
             action = "updated"
             log(f"updating endpoint {req.name} blue/green (baking {req.bake_seconds} s, "
                 f"rolls back when {rollback_alarm_name(req.name)} fires)")

@@ -14,9 +14,12 @@ import hashlib
 import os
 import re
 import stat
+import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import click
 
 from fish_sm.aws.s3 import DEFAULT_PART_SIZE, S3Uri, byte_progress, upload_file
 from fish_sm.aws.session import AWS
@@ -133,6 +136,43 @@ class _ProgressReader:
         data = self.f.read(n if n and n > 0 else _COPY_CHUNK)
         self.update(len(data))
         return data
+
+
+class FileProgress:
+    """A progress bar per large file for build_package_dir's (what, done, total) callbacks.
+
+    Small files (the code, voices) hash in a blink, so only files of min_bytes or more get a
+    bar: a line per file of a copied source tree would bury the two that take minutes.
+    """
+
+    def __init__(self, min_bytes: int = 32 * 1024 * 1024, enabled: bool = True):
+        self.min_bytes, self.enabled = min_bytes, enabled
+        self._bar = self._what = None
+        self._done = 0
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if not self.enabled or total < self.min_bytes:
+            return
+        if what != self._what:
+            self.close()
+            self._bar = click.progressbar(length=total, label=what, file=sys.stderr, show_pos=False)
+            self._bar.__enter__()
+            self._what, self._done = what, 0
+        self._bar.update(done - self._done)
+        self._done = done
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+        self._bar = self._what = None
+
+    def __enter__(self) -> "FileProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def upload(aws: AWS, tarball: Path, dest: S3Uri, *, part_size: int = DEFAULT_PART_SIZE,

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from fish_sm.aws import AWSError
-from fish_sm.aws.session import AWS, is_not_found
+from fish_sm.aws.session import AWS, error_code, is_not_found
 from fish_sm.errors import InputError
 
 MIB = 1024 * 1024
@@ -84,6 +84,7 @@ def byte_progress(label: str, total: int, enabled: bool = True):
 def upload_file(aws: AWS, path: Path, dest: S3Uri, *, part_size: int = DEFAULT_PART_SIZE,
                 progress: bool = True, content_type: str | None = None) -> S3Uri:
     """Upload `path` to `dest` (a prefix gets the file's name appended); multipart above part_size."""
+    from boto3.exceptions import S3UploadFailedError
     from boto3.s3.transfer import TransferConfig
 
     if part_size < MIN_PART_SIZE:
@@ -101,10 +102,8 @@ def upload_file(aws: AWS, path: Path, dest: S3Uri, *, part_size: int = DEFAULT_P
         try:
             aws.s3.upload_file(str(path), target.bucket, target.key, Config=config, Callback=update,
                                ExtraArgs=extra)
-        except Exception as exc:  # boto3's S3UploadFailedError wraps the ClientError in a string
-            if type(exc).__name__ == "S3UploadFailedError":
-                raise AWSError(f"upload to {target} failed: {exc}") from None
-            raise
+        except S3UploadFailedError as exc:  # wraps the ClientError (NoSuchBucket, AccessDenied) in its text
+            raise AWSError(f"upload to {target} failed: {exc}") from None
     return target
 
 
@@ -127,6 +126,19 @@ def head_object(aws: AWS, uri: S3Uri) -> dict | None:
     except Exception as exc:
         if is_not_found(exc):
             return None
+        raise
+
+
+def check_bucket(aws: AWS, uri: S3Uri) -> None:
+    """Fail in a second rather than after packaging gigabytes: the bucket must exist and be reachable."""
+    try:
+        aws.s3.head_bucket(Bucket=uri.bucket)
+    except Exception as exc:
+        code = error_code(exc)
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            raise AWSError(f"bucket {uri.bucket!r} of {uri} does not exist") from None
+        if code in ("403", "AccessDenied", "Forbidden"):
+            raise AWSError(f"no access to bucket {uri.bucket!r} of {uri} with these credentials") from None
         raise
 
 

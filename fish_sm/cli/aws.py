@@ -89,7 +89,8 @@ def _human(n: float) -> str:
 @click.option("--compile-cache", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A torch.compile cache built on the target GPU, shipped to skip compiling at start-up.")
 @click.option("--upload", metavar="s3://BUCKET/PREFIX/", help="Upload the tarball here (a prefix gets its file name).")
-@click.option("--part-size", type=int, default=64, show_default=True, help="MiB per part of the multipart upload.")
+@click.option("--part-size", type=click.IntRange(5, 5 * 1024), default=64, show_default=True,
+              help="MiB per part of the multipart upload (S3 allows 5 MiB to 5 GiB).")
 @click.option("--compress-level", type=click.IntRange(0, 9), default=1, show_default=True,
               help="gzip level; weights barely compress, so 1 saves minutes.")
 @aws_options
@@ -102,11 +103,14 @@ def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, co
     """
     import tempfile
 
-    from fish_sm.aws.package import is_package_dir, make_tarball, parse_voice_specs
+    from fish_sm.aws.package import FileProgress, is_package_dir, make_tarball, parse_voice_specs
     from fish_sm.aws.package import upload as upload_tarball
-    from fish_sm.aws.s3 import MIB, parse_s3_uri
+    from fish_sm.aws.s3 import MIB, check_bucket, parse_s3_uri
 
-    dest = parse_s3_uri(upload, what="--upload") if upload else None  # fail before the long work
+    dest = parse_s3_uri(upload, what="--upload") if upload else None
+    if dest is not None:  # fail before the long work, not after it
+        aws = _aws(region, profile, endpoint_url)
+        check_bucket(aws, dest)
     parsed = parse_voice_specs(voices)
     if is_package_dir(checkpoint_dir):
         if parsed or compile_cache:
@@ -120,12 +124,13 @@ def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, co
         # Next to the output rather than in /tmp: the package is as big as the checkpoint.
         with tempfile.TemporaryDirectory(prefix=".fish-sm-package-", dir=output.parent) as tmp:
             package_dir = Path(tmp) / "model"
-            build_package_dir(checkpoint_dir, package_dir, parsed, compile_cache)
+            with FileProgress() as progress:
+                build_package_dir(checkpoint_dir, package_dir, parsed, compile_cache, progress=progress)
             tarball = make_tarball(package_dir, output, compresslevel=compress_level)
     click.echo(f"wrote {tarball.path}: {_human(tarball.size)}, {tarball.files} files, sha256 {tarball.sha256}"
                + (f", voices: {', '.join(parsed)}" if parsed else ""))
     if dest is not None:
-        uri = upload_tarball(_aws(region, profile, endpoint_url), tarball.path, dest, part_size=part_size * MIB)
+        uri = upload_tarball(aws, tarball.path, dest, part_size=part_size * MIB)
         click.echo(str(uri))
 
 
@@ -171,7 +176,11 @@ def deploy(name, model_data, role, image, stock_container, instance_type, instan
            target, metric, is_async, async_output, async_failure, sns_success, sns_error, max_concurrent,
            scale_to_zero, env_pairs, startup_timeout, download_timeout, bake, rollback_errors, wait, poll,
            region, profile, endpoint_url):
-    """Create endpoint NAME, or update it blue/green with automatic rollback."""
+    """Create endpoint NAME, or update it blue/green with automatic rollback.
+
+    Autoscaling options give the wanted state: a deploy without --max (or --scale-to-zero)
+    removes autoscaling the endpoint had.
+    """
     from fish_sm.aws import deploy as d
     from fish_sm.aws.s3 import parse_s3_uri
 
@@ -333,25 +342,33 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, max_new_
 @click.option("--instances", type=int, default=1, show_default=True)
 @click.option("--instance-type", help="Default: the endpoint's.")
 @click.option("--wait/--no-wait", default=True, show_default=True)
+@click.option("--download", type=click.Path(file_okay=False, path_type=Path), help="Also fetch the results here.")
 @click.option("--poll", type=float, default=30.0, show_default=True, help="Seconds between status checks.")
 @aws_options
 @aws_command
-def transform(name, source, dest, instances, instance_type, wait, poll, region, profile, endpoint_url):
+def transform(name, source, dest, instances, instance_type, wait, download, poll, region, profile, endpoint_url):
     """Run a Batch Transform job with the model of endpoint (or model) NAME over JSON Lines."""
-    from fish_sm.aws.s3 import parse_s3_uri
+    from fish_sm.aws.s3 import S3Uri, download_file, parse_s3_uri
     from fish_sm.aws.transform import run_transform
 
+    if download and not wait:
+        raise click.UsageError("--download needs the job to finish: leave out --no-wait")
     src = parse_s3_uri(source, what="--input")
     out = parse_s3_uri(dest, what="--output", prefix=True)
-    result = run_transform(_aws(region, profile, endpoint_url), name, src, out, instances=instances,
-                           instance_type=instance_type, wait=wait, poll_s=poll, log=click.echo)
+    aws = _aws(region, profile, endpoint_url)
+    result = run_transform(aws, name, src, out, instances=instances, instance_type=instance_type, wait=wait,
+                           poll_s=poll, log=click.echo)
     if not wait:
         click.echo(f"transform job {result.job_name} started; results will be under {out}")
         return
     click.echo(f"transform job {result.job_name} {result.status}: {len(result.outputs)} result file(s) "
                f"for {len(result.inputs)} input(s) under {out}")
     for o in result.outputs:
-        click.echo(f"  s3://{out.bucket}/{o['Key']}  {_human(o.get('Size', 0))}")
+        uri = S3Uri(out.bucket, o["Key"])
+        line = f"  {uri}  {_human(o.get('Size', 0))}"
+        if download:
+            line += f" -> {download_file(aws, uri, download / o['Key'][len(out.key):])}"
+        click.echo(line)
 
 
 @main.command()

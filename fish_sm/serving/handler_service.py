@@ -8,6 +8,8 @@ around our handler module, with errors answered as JSON without a traceback.
 
 from __future__ import annotations
 
+import os
+
 from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
 from sagemaker_inference.transformer import Transformer
 
@@ -31,11 +33,13 @@ class JSONErrorTransformer(Transformer):
 
 
 _transformer = JSONErrorTransformer(default_inference_handler=_Handlers())
+MODEL_DIR_ENV = "FISH_SM_MODEL_DIR"
 
 
 def handle(data, context):
     if data is None:
-        _transformer.validate_and_initialize(model_dir=context.system_properties.get("model_dir"), context=context)
+        model_dir = os.environ.get(MODEL_DIR_ENV) or context.system_properties.get("model_dir")
+        _transformer.validate_and_initialize(model_dir=model_dir, context=context)
         mark_ready()
         return None
     # The Transformer hands the handler functions the context it was initialised with, not

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from fish_sm.errors import CheckpointError, ConfigError
 from fish_sm.serving.front import READY_DIR_ENV, Front, make_app
+from fish_sm.serving.handler_service import MODEL_DIR_ENV
 from fish_sm.serving.settings import Settings
 
 HANDLER = "fish_sm.serving.handler_service:handle"
@@ -90,9 +91,10 @@ def mms_properties(cfg: ServerConfig, workers: int, port: int) -> str:
     return defaults.rstrip("\n") + "\n" + "".join(f"{k}={v}\n" for k, v in ours.items())
 
 
-def server_env(ready_dir: Path) -> dict[str, str]:
+def server_env(ready_dir: Path, model_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env[READY_DIR_ENV] = str(ready_dir)
+    env[MODEL_DIR_ENV] = str(model_dir.resolve())
     # Workers are started with `python` from PATH: make it this interpreter.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     # No Accept (or */*) reaches output_fn as */*, which lets a request's `format` decide.
@@ -114,9 +116,17 @@ def serve(cfg: ServerConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="fish-sm-serve-") as tmp:
         props, ready_dir, backend_port = Path(tmp) / "mms.properties", Path(tmp) / "ready", free_port()
         props.write_text(mms_properties(cfg, workers, backend_port))
+        # MMS reads a top-level manifest.json as a legacy model archive and fails on ours,
+        # so it is given an empty model directory; workers find the package through the environment.
+        mms_model_dir = Path(tmp) / "model"
+        mms_model_dir.mkdir()
         cmd = [mms, "--start", "--foreground", "--mms-config", str(props), "--model-store", "/",
-               "--models", f"model={cfg.model_dir.resolve()}", "--log-config", str(log_config)]
-        proc = subprocess.Popen(cmd, cwd=tmp, env=server_env(ready_dir), start_new_session=True)
+               "--models", f"model={mms_model_dir}", "--log-config", str(log_config)]
+        env = server_env(ready_dir, cfg.model_dir)
+        # MMS keeps its pid file and worker sockets in TMPDIR and refuses to start beside
+        # another instance there: a private one lets servers run side by side.
+        env["TMPDIR"] = tmp
+        proc = subprocess.Popen(cmd, cwd=tmp, env=env, start_new_session=True)
         try:
             front = Front(f"http://127.0.0.1:{backend_port}", ready_dir, workers, cfg.response_timeout + 30)
             asyncio.run(_run_front(make_app(front, PAYLOAD_LIMIT), cfg, proc))

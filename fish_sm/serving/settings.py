@@ -39,6 +39,8 @@ class Settings:
     allowed_buckets: tuple[str, ...] = ()  # S3 buckets references may come from; empty = none
     log_level: str = "INFO"
     ready_dir: str = ""  # set by `fish-sm serve`: where workers mark themselves ready
+    model_dir: str = ""  # the package to serve; set by `fish-sm serve` (MMS itself gets an empty directory)
+    host: str = "0.0.0.0"  # the address deploy/serve listens on (all interfaces, inside a container)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":

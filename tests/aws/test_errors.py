@@ -62,6 +62,13 @@ def test_bad_s3_uris(moto_url, tmp_path):
     fails([*DEPLOY[:3], "s3://fish-sm-errors/missing.tar.gz", *DEPLOY[4:], *ep], "does not exist")
     fails([*DEPLOY, "--async", "--output", "fish-sm-errors/out", *ep], "--output must look like s3://")
     fails(["transform", "tts", "--input", "s3:/x", "--output", "s3://fish-sm-errors/o/", *ep], "--input must look like")
+    pkg = tmp_path / "pkg"
+    (pkg / "code").mkdir(parents=True)
+    (pkg / "manifest.json").write_text("{}")
+    fails(["package", pkg, "-o", tmp_path / "m.tar.gz", "--upload", "s3://no-such-bucket/models/", *ep],
+          "bucket 'no-such-bucket' of s3://no-such-bucket/models/ does not exist")
+    assert not (tmp_path / "m.tar.gz").exists()  # refused before archiving
+    fails(["package", pkg, "--upload", "s3://fish-sm-errors/models/", "--part-size", "1", *ep], "Invalid value for '--part-size'")
 
 
 def test_bad_deploy_options(moto_url):

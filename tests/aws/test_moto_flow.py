@@ -62,6 +62,7 @@ def cli(url, *args, ok=True):
 
 
 def make_package_dir(root, weight_bytes):
+    """A hand-made directory in the package layout (manifest.json + code/ mark it as built)."""
     files = {"config.json": b"{}", "model.pth": os.urandom(weight_bytes), "codec.pth": b"\x02" * 100,
              "tokenizer.tiktoken": b"", "special_tokens.json": b"{}", "code/inference.py": b"# handler\n",
              "code/requirements.txt": b"", "voices/alice/transcript.txt": b"Hi.", "manifest.json": b"{}"}
@@ -72,22 +73,27 @@ def make_package_dir(root, weight_bytes):
 
 
 def test_package_and_multipart_upload(moto_url, tmp_path):
+    """The tiny checkpoint, packaged for real, goes up in 5 MiB parts."""
     client(moto_url, "s3").create_bucket(Bucket=BUCKET)
-    src = make_package_dir(tmp_path / "pkg", 11 * 1024 * 1024)  # random: stays > 10 MiB compressed
+    ckpt = tmp_path / "ckpt"
+    assert CliRunner().invoke(main, ["make-checkpoint", str(ckpt), "--preset", "tiny"]).exit_code == 0
     out = tmp_path / "model.tar.gz"
-    printed = cli(moto_url, "package", src, "-o", out, "--upload", f"s3://{BUCKET}/models/v1/", "--part-size", 5)
+    printed = cli(moto_url, "package", ckpt, "-o", out, "--upload", f"s3://{BUCKET}/models/v1/", "--part-size", 5)
     uri = f"s3://{BUCKET}/models/v1/model.tar.gz"
     assert printed.strip().splitlines()[-1] == uri
     s3 = client(moto_url, "s3")
     head = s3.head_object(Bucket=BUCKET, Key="models/v1/model.tar.gz")
-    assert head["ETag"].strip('"').endswith("-3")  # three 5 MiB parts: a multipart upload
+    parts = -(-out.stat().st_size // (5 * 1024 * 1024))
+    assert parts > 1 and head["ETag"].strip('"').endswith(f"-{parts}")  # a multipart upload
     assert head["ContentLength"] == out.stat().st_size and head["ContentType"] == "application/gzip"
     body = s3.get_object(Bucket=BUCKET, Key="models/v1/model.tar.gz")["Body"].read()
     assert hashlib.sha256(body).hexdigest() == hashlib.sha256(out.read_bytes()).hexdigest()
 
-    # An exact key instead of a prefix keeps the given name.
+    # An exact key instead of a prefix keeps the given name; a small file goes up in one part.
+    src = make_package_dir(tmp_path / "pkg", 1024)
     cli(moto_url, "package", src, "-o", out, "--upload", f"s3://{BUCKET}/exact/name.tar.gz")
-    assert s3.head_object(Bucket=BUCKET, Key="exact/name.tar.gz")["ContentLength"] == out.stat().st_size
+    head = s3.head_object(Bucket=BUCKET, Key="exact/name.tar.gz")
+    assert head["ContentLength"] == out.stat().st_size and "-" not in head["ETag"]
 
 
 def _variant(sm, config_name):
@@ -201,8 +207,11 @@ def test_deploy_status_invoke_transform_delete(moto_url, tmp_path):
     s3.put_object(Bucket="fish-sm-flow", Key="batch/out/requests.jsonl.out", Body=b"{}\n{}\n")  # what SageMaker writes
     s3.put_object(Bucket="fish-sm-flow", Key="batch/out/older-run.jsonl.out", Body=b"{}\n")
     printed = cli(moto_url, "transform", "tts-rt", "--input", "s3://fish-sm-flow/batch/in/",
-                  "--output", "s3://fish-sm-flow/batch/out/", "--instances", 2, "--poll", 0.01)
+                  "--output", "s3://fish-sm-flow/batch/out/", "--instances", 2, "--poll", 0.01,
+                  "--download", tmp_path / "results")
     assert "Completed: 1 result file(s) for 1 input(s)" in printed
+    assert (tmp_path / "results" / "requests.jsonl.out").read_bytes() == b"{}\n{}\n"
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["requests.jsonl.out"]
     assert "batch/out/requests.jsonl.out" in printed and "older-run" not in printed
     job, = [j for j in sm.list_transform_jobs()["TransformJobSummaries"] if j["TransformJobName"].startswith("tts-rt-")]
     desc = sm.describe_transform_job(TransformJobName=job["TransformJobName"])

@@ -149,8 +149,9 @@ def test_package_command_builds_through_build_package_dir(tmp_path, monkeypatch)
     """The command's wiring to the serving side: parsed voices and the cache go to build_package_dir."""
     calls = []
 
-    def build_package_dir(checkpoint_dir, out_dir, voices, compile_cache=None):
+    def build_package_dir(checkpoint_dir, out_dir, voices, compile_cache=None, progress=None):
         calls.append((checkpoint_dir, out_dir, voices, compile_cache))
+        progress("hashing model.pth", 10, 10)  # below the size that earns a bar: silent
         make_package_dir(out_dir)
         return {"files": {}}
 
@@ -192,3 +193,82 @@ def test_gzip_stream_decompresses_to_a_valid_tar(tmp_path):
     data = gzip.decompress(t.path.read_bytes())
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         assert len([m for m in tar.getmembers() if m.isfile()]) == 12
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """The tiny random checkpoint in the official formats, written by the CLI."""
+    path = tmp_path_factory.mktemp("tiny-package") / "ckpt"
+    result = CliRunner().invoke(main, ["make-checkpoint", str(path), "--preset", "tiny", "--seed", "0"])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_package_a_real_checkpoint_is_reproducible_and_complete(tiny_ckpt, tmp_path):
+    import json
+
+    import numpy as np
+    import soundfile as sf
+
+    audio = tmp_path / "alice.flac"
+    t = np.arange(24000) / 24000
+    sf.write(audio, (0.2 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 24000)
+    (tmp_path / "alice.txt").write_text("A short reference sentence.")
+    outs = []
+    for run in ("a", "b"):
+        out = tmp_path / run / "model.tar.gz"
+        result = CliRunner().invoke(main, ["package", str(tiny_ckpt), "-o", str(out), "--voice", f"alice={audio}"])
+        assert result.exit_code == 0, result.output
+        outs.append(out)
+        assert sorted(p.name for p in out.parent.iterdir()) == ["model.tar.gz"]  # the build dir is gone
+    assert sha(outs[0]) == sha(outs[1])
+    with tarfile.open(outs[0]) as tar:
+        names = set(tar.getnames())
+        for name in ("config.json", "model.pth", "codec.pth", "tokenizer.tiktoken", "special_tokens.json",
+                     "code/inference.py", "code/requirements.txt", "voices/alice/transcript.txt", "manifest.json"):
+            assert name in names, name
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+        assert "alice" in manifest["voices"]
+        for rel, entry in manifest["files"].items():  # every file, as the manifest hashed it
+            assert hashlib.sha256(tar.extractfile(rel).read()).hexdigest() == entry["sha256"], rel
+        assert tar.extractfile("voices/alice/transcript.txt").read().decode().strip() == "A short reference sentence."
+
+
+def test_package_bad_checkpoints_are_one_line(tiny_ckpt, tmp_path):
+    import shutil
+
+    import torch
+
+    cases = {}
+    missing = shutil.copytree(tiny_ckpt, tmp_path / "missing")
+    (missing / "codec.pth").unlink()
+    cases[missing] = "missing codec.pth"
+    truncated = shutil.copytree(tiny_ckpt, tmp_path / "truncated")
+    data = (truncated / "model.pth").read_bytes()
+    (truncated / "model.pth").write_bytes(data[: len(data) // 2])
+    cases[truncated] = "model.pth: cannot read the file"
+    reshaped = shutil.copytree(tiny_ckpt, tmp_path / "reshaped")
+    state = torch.load(reshaped / "model.pth")
+    name = next(iter(state))
+    state[name] = torch.zeros(3, 3)
+    torch.save(state, reshaped / "model.pth")
+    cases[reshaped] = f"tensor {name} has shape (3, 3)"
+    for ckpt, message in cases.items():
+        out = tmp_path / "out" / f"{ckpt.name}.tar.gz"
+        result = CliRunner().invoke(main, ["package", str(ckpt), "-o", str(out)])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        line, = result.output.strip().splitlines()
+        assert line.startswith("Error:") and message in line, line
+        assert not out.exists() and list(out.parent.iterdir()) == []  # no tarball, no leftover build dir
+
+
+def test_file_progress_shows_a_bar_only_for_large_files(capsys):
+    from fish_sm.aws.package import FileProgress
+
+    with FileProgress(min_bytes=100) as progress:
+        progress("hashing code/inference.py", 10, 10)  # small: no bar
+        for done in (40, 80, 120):
+            progress("hashing model.pth", done, 120)
+        progress("hashing codec.pth", 50, 200)  # left open: closed by the with block
+    err = capsys.readouterr().err
+    assert "hashing model.pth" in err and "hashing codec.pth" in err and "inference.py" not in err
