@@ -1,26 +1,39 @@
-"""Engine micro-benchmark: load time, prefill, decode frames/s, codec decode, peak memory.
+"""Engine benchmark: every speed figure of the engine in one run.
 
-    python -m fish_sm.engine.benchmark CHECKPOINT [--frames 300] [--repeats 2] [--json out.json]
+    python -m fish_sm.engine.benchmark CHECKPOINT [--modes eager,bf16,int8] [--frames 500] [--repeats 2]
+        [--cold-warm] [--json out.json]
 
-Each figure is measured `--repeats` times and the median reported. Decode speed counts
-frames after the prefill, with a stop token never taken into account (the run is cut at
-`--frames`), so random weights give a steady figure. Use a GPU for figures you report.
+Per mode (eager bf16, compiled bf16, compiled INT8 weight-only): compile time, decode
+frames/s at batch 1, prefill of a ~1,000-token prompt, codec decode of 10 s of audio,
+time to first audio streaming a 20-word sentence with a reference voice, weight memory,
+and how closely the compiled step's logits follow the eager ones. `--cold-warm` also
+times `model_fn` twice in fresh processes: a first start compiling from nothing, then a
+start that reuses the kernel cache the first one wrote. Each figure is the median of
+`--repeats` runs. Random weights never stop early, so decode speed is steady. Use a GPU
+for figures you report.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import date
 
 import torch
 
-from fish_sm.engine import Engine, SamplingParams
-from fish_sm.engine.generate import generate_frames
+from fish_sm.engine import Engine, Reference, SamplingParams
+from fish_sm.engine.generate import decode_frame, generate_frames
 from fish_sm.engine.prompt import build_prompt
+
+SENTENCE = ("The quick brown fox jumps over the lazy dog while the patient engineer measures "
+            "how fast this voice can start speaking.")  # 20 words
+REFERENCE_TEXT = "This is the transcript of the reference recording, spoken clearly and at an even pace."
 
 
 def _sync(device: torch.device) -> None:
@@ -36,32 +49,75 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def run(checkpoint: str, frames: int, repeats: int, prompt_tokens: int, device: str, dtype: str) -> dict:
-    t0 = time.perf_counter()
-    engine = Engine.from_pretrained(checkpoint, device=device, dtype=dtype)
-    _sync(engine.device)
-    load_s = time.perf_counter() - t0
-    dev, model = engine.device, engine.model
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    params = SamplingParams(max_new_tokens=frames, seed=0)
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage of a tensor, looking inside quantized tensor subclasses (data + scales)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
 
-    # A reference voice's worth of prompt: random semantic codes plus their transcript.
-    ref_frames = max(1, prompt_tokens - 40)
-    g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 1024, (model.config.num_codebooks, ref_frames), generator=g)
-    prompt = build_prompt(engine.tokenizer, model.config.num_codebooks,
-                          [("This is the transcript of the reference recording.", codes)],
-                          "The quick brown fox jumps over the lazy dog, twice.")
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(tensor_bytes(p) for p in model.parameters())
+
+
+def reference_voice(engine: Engine, frames: int) -> Reference:
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 1024, (engine.config.num_codebooks, frames), generator=g)
+    codes[0] = torch.randint(0, engine.config.codebook_size, (frames,), generator=g)
+    return Reference(REFERENCE_TEXT, codes)
+
+
+def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int = 8) -> dict:
+    """Run the same frames through the eager and the compiled step from identical states
+    and inputs; report how far the slow head's logits and the sampled codes differ."""
+    model, dev = engine.model, engine.device
+    compiled_slow = torch.compile(model.forward_slow, fullgraph=True)
+    params = SamplingParams(seed=0)
+    t, p, r = params.tensors(dev)
+    worst, scale, agree, total = 0.0, 0.0, 0, 0
+    with torch.inference_mode():
+        length = prompt.shape[1]
+        model.forward_slow(prompt.to(dev)[None], torch.arange(length, device=dev), length)
+        frame = torch.zeros(prompt.shape[0], dtype=torch.long, device=dev)
+        frame[0] = model.semantic_begin_id
+        window = torch.zeros(prompt.shape[0], 16, dtype=torch.long, device=dev)
+        g = torch.Generator(dev).manual_seed(0)
+        for i in range(steps):
+            pos = torch.tensor([length + i], device=dev)
+            bucket = model.positions[: min(model.max_seq_len, -(-(length + i + 1) // 256) * 256)]
+            eager_logits, _ = model.forward_slow(frame.view(1, -1, 1), pos, length + i + 1)
+            comp_logits, _ = compiled_slow(frame.view(1, -1, 1), pos, 0, bucket)
+            worst = max(worst, (eager_logits.float() - comp_logits.float()).abs().max().item())
+            scale = max(scale, eager_logits.float().abs().max().item())
+            noise = torch.empty(noise_len(engine), device=dev).exponential_(1, generator=g)
+            a = decode_frame(model, frame, pos, window, noise, t, p, r, live=length + i + 1)
+            b = engine._step(model, frame, pos, window, noise, t, p, r, key_pos=bucket).clone() if engine.compiled else a
+            agree += int((a == b).sum())
+            total += a.numel()
+            frame = a
+    return {"max_abs_logit_diff": worst, "max_abs_logit": scale, "code_agreement": agree / total}
+
+
+def noise_len(engine: Engine) -> int:
+    from fish_sm.engine.generate import noise_size
+
+    return noise_size(engine.model)
+
+
+def measure(engine: Engine, frames: int, repeats: int, prompt_tokens: int) -> dict:
+    dev, model = engine.device, engine.model
+    voice = reference_voice(engine, max(1, prompt_tokens - 60))
+    prompt = build_prompt(engine.tokenizer, model.config.num_codebooks, [(voice.text, voice.codes)], SENTENCE)
+    params = SamplingParams(max_new_tokens=frames, seed=0)
 
     def prefill():
         with torch.inference_mode():
             model.forward_slow(prompt.to(dev)[None], torch.arange(prompt.shape[1], device=dev), prompt.shape[1])
 
-    def decode():
-        n = 0
-        t = time.perf_counter()
-        for i, _ in enumerate(generate_frames(model, prompt, params)):
+    def decode() -> float:
+        t, n = time.perf_counter(), 0
+        for i, _ in enumerate(generate_frames(model, prompt, params, step=engine._step)):
             if i == 0:
                 _sync(dev)
                 t = time.perf_counter()  # the first frame comes from the prefill
@@ -70,52 +126,110 @@ def run(checkpoint: str, frames: int, repeats: int, prompt_tokens: int, device: 
         return n / (time.perf_counter() - t)
 
     ten_seconds = torch.randint(0, 1024, (1, model.config.num_codebooks, round(10 * engine.sample_rate / engine.frame_length)),
-                                generator=g).to(dev)
+                                generator=torch.Generator().manual_seed(2)).to(dev)
 
     def codec_decode():
         with torch.inference_mode():
             engine.codec.decode(ten_seconds)
 
-    prefill()  # warm-up
-    codec_decode()
-    results = {
+    def first_audio() -> float:
+        _sync(dev)
+        t0 = time.perf_counter()
+        stream = engine.stream(SENTENCE, voice, seed=0, max_new_tokens=64)
+        next(stream)
+        _sync(dev)
+        elapsed = time.perf_counter() - t0
+        stream.close()
+        return elapsed
+
+    prefill(), codec_decode(), first_audio()  # warm-up
+    return {
+        "prompt_tokens": prompt.shape[1],
         "prefill_ms": statistics.median(_timed(prefill, dev) * 1e3 for _ in range(repeats)),
         "decode_frames_per_s": statistics.median(decode() for _ in range(repeats)),
         "codec_decode_10s_ms": statistics.median(_timed(codec_decode, dev) * 1e3 for _ in range(repeats)),
+        "time_to_first_audio_ms": statistics.median(first_audio() * 1e3 for _ in range(repeats)),
+        "reference_frames": voice.codes.shape[1],
     }
-    return {
-        "checkpoint": checkpoint,
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "torch": torch.__version__,
-        "date": date.today().isoformat(),
-        "prompt_tokens": prompt.shape[1],
-        "frames": frames,
-        "repeats": repeats,
-        "load_s": load_s,
-        **results,
-        "realtime_x": results["decode_frames_per_s"] * engine.frame_length / engine.sample_rate,
-        "peak_memory_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
-    }
+
+
+def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_tokens: int, device: str) -> dict:
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(checkpoint, device=dev)
+    _sync(dev)
+    out = {"mode": mode, "load_s": time.perf_counter() - t0}
+    if mode == "int8":
+        out["quantize_s"] = _timed(engine.quantize_int8, dev)
+    out["weight_gb"] = weight_bytes(engine.model) / 1e9
+    if mode != "eager":
+        out["compile_s"] = _timed(engine.compile, dev)
+    out.update(measure(engine, frames if mode != "eager" else min(frames, 100), repeats, prompt_tokens))
+    out["realtime_x"] = out["decode_frames_per_s"] * engine.frame_length / engine.sample_rate
+    if mode != "eager":
+        prompt = build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE)
+        out["compiled_vs_eager"] = compare_compiled_to_eager(engine, prompt)
+    out["peak_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
+    del engine
+    return out
+
+
+COLD_WARM = """
+import json, sys, time, logging
+logging.basicConfig(level=logging.WARNING)
+from fish_sm.serving.handler import model_fn
+t0 = time.perf_counter()
+model = model_fn(sys.argv[1])
+print("MODEL_FN " + json.dumps({"total_s": time.perf_counter() - t0, **model.timings}))
+"""
+
+
+def cold_warm(checkpoint: str, quantize: str) -> dict:
+    """model_fn in two fresh processes sharing one FISH_SM_CACHE_DIR, the first one empty."""
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "FISH_SM_CACHE_DIR": cache, "FISH_SM_QUANTIZE": quantize, "FISH_SM_COMPILE": "true",
+               "FISH_SM_WARMUP": "2"}
+        for name in ("first_start", "warm_start"):
+            proc = subprocess.run([sys.executable, "-c", COLD_WARM, checkpoint], env=env, capture_output=True, text=True)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("MODEL_FN ")]
+            if proc.returncode or not line:
+                raise RuntimeError(f"model_fn failed:\n{proc.stderr[-3000:]}")
+            out[name] = json.loads(line[-1][len("MODEL_FN "):])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint")
-    p.add_argument("--frames", type=int, default=300)
+    p.add_argument("--modes", default="eager,bf16,int8")
+    p.add_argument("--frames", type=int, default=500)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--cold-warm", action="store_true", help="also time model_fn cold and from the persisted cache")
+    p.add_argument("--json", help="write the report here too")
     a = p.parse_args(argv)
-    report = run(a.checkpoint, a.frames, a.repeats, a.prompt_tokens, a.device, a.dtype)
-    width = max(map(len, report))
-    for k, v in report.items():
-        print(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=2)
+    report = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "date": date.today().isoformat(), "checkpoint": a.checkpoint, "modes": [],
+    }
+
+    def save(part: dict) -> None:  # as each part finishes, so a cut-off run keeps what it measured
+        print(json.dumps(part, indent=2), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(report, f, indent=2)
+
+    for mode in a.modes.split(","):
+        report["modes"].append(run_mode(a.checkpoint, mode, a.frames, a.repeats, a.prompt_tokens, a.device))
+        save(report["modes"][-1])
+    if a.cold_warm:
+        report["model_fn"] = cold_warm(a.checkpoint, "int8" if "int8" in a.modes else "none")
+        save(report["model_fn"])
     return 0
 
 

@@ -58,27 +58,48 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
 
 
 def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, window: Tensor, noise: Tensor,
-                 temperature: Tensor, top_p: Tensor, penalty: Tensor, live: int) -> Tensor:
+                 temperature: Tensor, top_p: Tensor, penalty: Tensor, live: int = 0,
+                 key_pos: Tensor | None = None) -> Tensor:
     """Feed the previous frame [1 + C] at `input_pos` [1] and sample the next one.
 
-    `live` bounds the attention to the first `live` cache slots: the exact length when
-    eager, the whole cache (a static shape) when compiled.
+    Eager: attention reads exactly `live` cache slots. Compiled: `key_pos` (an arange
+    whose length is `live` rounded up to a bucket, marked dynamic) sets how many, so one
+    compiled graph serves every length and CUDA graphs are recorded per bucket.
     """
-    logits, hidden = model.forward_slow(frame.view(1, -1, 1), input_pos, live)
+    logits, hidden = model.forward_slow(frame.view(1, -1, 1), input_pos, live, key_pos)
     return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty)
 
 
 FrameFn = Callable[..., Tensor]
+LIVE_BUCKET = 256  # cache slots; the compiled step reads at most this many more than it needs
+
+
+class _HostToken:
+    """The token id of a frame, copied to the host without waiting for it (CUDA), so the
+    stop check of frame i happens while frame i+1 is already queued on the GPU."""
+
+    def __init__(self, frame: Tensor):
+        if frame.is_cuda:
+            self.value = torch.empty((), dtype=frame.dtype, pin_memory=True)
+            self.value.copy_(frame[0], non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.value, self.event = frame[0], None
+
+    def get(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.value)
 
 
 @torch.inference_mode()
 def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingParams,
-                    generator: torch.Generator | None = None, step: FrameFn | None = None,
-                    static_live: bool = False) -> Iterator[Tensor]:
+                    generator: torch.Generator | None = None, step: FrameFn | None = None) -> Iterator[Tensor]:
     """Yield frames [1 + C] (long, on the model's device) until <|im_end|> or `max_new_tokens`.
 
-    The <|im_end|> frame itself is not yielded. `step` replaces `decode_frame` (the
-    compiled version); with `static_live` it attends over the whole cache.
+    The <|im_end|> frame itself is not yielded. `step` is the compiled `decode_frame`
+    (bucketed attention, one frame queued ahead of the stop check) or None for eager.
     """
     device = model.embeddings.weight.device
     n_rows, length = prompt.shape
@@ -86,7 +107,6 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
         raise InputError(f"the prompt is {length} tokens; this model holds at most {model.max_seq_len - 2}")
     max_new = min(params.max_new_tokens, model.max_seq_len - length)
     temperature, top_p, penalty = params.tensors(device)
-    step = step or decode_frame
     n_noise = noise_size(model)
 
     def noise() -> Tensor:
@@ -95,15 +115,26 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
     logits, hidden = model.forward_slow(prompt.to(device)[None], torch.arange(length, device=device), length)
     frame = sample_frame(model, logits, hidden, None, noise(), temperature, top_p, penalty)
     history = torch.zeros(n_rows, max(max_new, PENALTY_WINDOW), dtype=torch.long, device=device)
+    input_pos = torch.tensor([length], device=device)
+    token = _HostToken(frame)
     for i in range(max_new):
-        if int(frame[0]) == model.im_end_id:
+        following = None
+        if i + 1 < max_new:
+            start = max(0, i - PENALTY_WINDOW)
+            window = history[:, start : start + PENALTY_WINDOW]
+            args = (model, frame, input_pos, window, noise(), temperature, top_p, penalty)
+            if step is None:
+                following = decode_frame(*args, live=length + i + 1)
+            else:
+                bucket = min(model.max_seq_len, -(-(length + i + 1) // LIVE_BUCKET) * LIVE_BUCKET)
+                key_pos = model.positions[:bucket]
+                torch._dynamo.maybe_mark_dynamic(key_pos, 0)
+                following = step(*args, key_pos=key_pos).clone()  # the graph reuses its output buffer
+            history[:, i] = following
+            input_pos += 1
+        if token.get() == model.im_end_id:
             return
         yield frame
-        if i == max_new - 1:
+        if following is None:
             return
-        pos = length + i
-        start = max(0, i - PENALTY_WINDOW)
-        window = history[:, start : start + PENALTY_WINDOW]
-        live = model.max_seq_len if static_live else pos + 1
-        frame = step(model, frame, torch.tensor([pos], device=device), window, noise(), temperature, top_p, penalty, live)
-        history[:, i] = frame
+        frame, token = following, _HostToken(following)

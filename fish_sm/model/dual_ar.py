@@ -80,7 +80,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -92,21 +92,31 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k, v = self.kv_cache.update(input_pos, k, v, live)
-        # A key is visible to a query at or after its position.
-        mask = torch.arange(live, device=x.device)[None, :] <= input_pos[:, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=self.n_head != self.n_local_heads)
+        gqa = self.n_head != self.n_local_heads
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif seqlen == live:  # a prefill from position 0: plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif seqlen == 1:  # one new token sees every live key
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        else:  # a chunk continuing a prefix: a key is visible to a query at or after its position
+            visible = torch.arange(live, device=x.device)[None, :] <= input_pos[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[None, None], enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_size))
 
 
 class FeedForward(nn.Module):
+    """SwiGLU. The gate (w1) and up (w3) projections are one matrix, w13, so a decode
+    step reads them with one kernel; the checkpoint's w1/w3 are stacked at load time."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -117,8 +127,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(dim, eps)
         self.ffn_norm = RMSNorm(dim, eps)
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, input_pos, live)
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, input_pos, live, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -163,6 +173,7 @@ class DualARTransformer(nn.Module):
         if max_seq_len > c.max_seq_len:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {c.max_seq_len}")
         self.max_seq_len = max_seq_len
+        self.positions = torch.arange(max_seq_len, device=p.device)  # key positions, sliced per step
         for b in self.layers:
             b.attention.kv_cache = KVCache(max_batch_size, max_seq_len, c.n_local_heads, c.head_dim, p.dtype, p.device)
         for b in self.fast_layers:
@@ -180,17 +191,24 @@ class DualARTransformer(nn.Module):
             x = torch.where(is_semantic[..., None], x / math.sqrt(c.num_codebooks + 1), x)
         return x
 
-    def forward_slow(self, tokens: Tensor, input_pos: Tensor, live: int) -> tuple[Tensor, Tensor]:
+    def forward_slow(self, tokens: Tensor, input_pos: Tensor, live: int,
+                     key_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Run the slow transformer over `tokens` at `input_pos` (a contiguous range),
         attending over the first `live` cache slots (at least input_pos[-1] + 1).
 
+        `key_pos` (arange of a bucketed length, for the compiled step) replaces `live`:
+        attention then reads that many slots, masking those after the query.
         Returns the head's logits [B, semantic_vocab + 1] and the fast transformer's
         input [B, fast_dim], both for the last position only.
         """
+        mask = None
+        if key_pos is not None:
+            live = key_pos.shape[0]
+            mask = (key_pos[None, :] <= input_pos[:, None])[None, None]
         x = self.embed(tokens)
         rope = self.rope[input_pos]
         for layer in self.layers:
-            x = layer(x, rope, input_pos, live)
+            x = layer(x, rope, input_pos, live, mask)
         x = x[:, -1]
         return self.head(self.norm(x)), self.fast_project_in(x)
 
@@ -278,6 +296,9 @@ def load_dual_ar(path, config: ModelConfig, semantic_begin_id: int, im_end_id: i
     with torch.device("meta"):
         model = DualARTransformer(config, semantic_begin_id, im_end_id)
     state["head.weight"] = out_weight[model.head_rows()]
+    for name in [n for n in state if n.endswith("feed_forward.w1.weight")]:
+        stem = name[: -len("w1.weight")]
+        state[stem + "w13.weight"] = torch.cat([state.pop(stem + "w1.weight"), state.pop(stem + "w3.weight")])
     state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     # Buffers were built on `meta`; rebuild them for real.
