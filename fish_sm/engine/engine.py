@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.engine.audio import AudioInput, load_reference_audio
-from fish_sm.engine.generate import decode_frame, generate_frames
+from fish_sm.engine.generate import GraphedStep, decode_frame, generate_frames
 from fish_sm.engine.prompt import build_prompt
 from fish_sm.engine.sampling import SamplingParams
 from fish_sm.engine.text import split_text
@@ -122,11 +122,18 @@ class Engine:
         self.quantized = True
 
     def compile(self) -> None:
-        """Capture one decode frame (slow step, all fast steps, all sampling) with
-        torch.compile — on GPUs as CUDA graphs, one launch a frame — and compile it now,
-        with a short synthesis, rather than on the first request."""
-        mode = "reduce-overhead" if self.device.type == "cuda" else None
-        self._step = torch.compile(decode_frame, mode=mode, fullgraph=True)
+        """Make a decode frame (slow step, all fast steps, all sampling) one launch.
+
+        On a GPU the frame is captured as CUDA graphs, one per attention-length bucket,
+        all captured here; elsewhere it is compiled with torch.compile. Either way it
+        happens now, not on the first request.
+        """
+        if self.device.type == "cuda":
+            step = GraphedStep(self.model)
+            step.capture_all()
+            self._step = step
+        else:
+            self._step = torch.compile(decode_frame, fullgraph=True)
         self.synthesize("Compiling the decoder.", seed=0, max_new_tokens=3)
 
     @property

@@ -74,6 +74,59 @@ FrameFn = Callable[..., Tensor]
 LIVE_BUCKET = 256  # cache slots; the compiled step reads at most this many more than it needs
 
 
+class GraphedStep:
+    """`decode_frame` replayed from CUDA graphs: one graph per attention bucket, all
+    captured up front, so a frame is a single launch of ~1,500 kernels with no Python
+    or launch overhead between them. Inputs are copied into static buffers; the output
+    buffer is reused by the next replay (callers clone it)."""
+
+    def __init__(self, model: DualARTransformer):
+        dev, rows = model.embeddings.weight.device, 1 + model.config.num_codebooks
+        self.model = model
+        self.inputs = {
+            "frame": torch.zeros(rows, dtype=torch.long, device=dev),
+            "input_pos": torch.zeros(1, dtype=torch.long, device=dev),
+            "window": torch.zeros(rows, PENALTY_WINDOW, dtype=torch.long, device=dev),
+            "noise": torch.ones(noise_size(model), device=dev),
+            "temperature": torch.ones((), device=dev),
+            "top_p": torch.ones((), device=dev),
+            "penalty": torch.ones((), device=dev),
+        }
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+
+    def capture(self, bucket: int) -> None:
+        model, x = self.model, self.inputs
+        self.inputs["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
+        run = lambda: decode_frame(model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"],
+                                   x["top_p"], x["penalty"], key_pos=model.positions[:bucket])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()  # warm-up outside the graph: lazy inits, workspace allocations
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()
+        self.graphs[bucket] = (graph, out)
+
+    def capture_all(self) -> None:
+        for bucket in range(LIVE_BUCKET, self.model.max_seq_len + LIVE_BUCKET, LIVE_BUCKET):
+            self.capture(min(bucket, self.model.max_seq_len))
+
+    def __call__(self, model, frame, input_pos, window, noise, temperature, top_p, penalty, key_pos) -> Tensor:
+        x = self.inputs
+        for name, value in (("frame", frame), ("input_pos", input_pos), ("window", window), ("noise", noise),
+                            ("temperature", temperature), ("top_p", top_p), ("penalty", penalty)):
+            x[name].copy_(value, non_blocking=True)
+        bucket = key_pos.shape[0]
+        if bucket not in self.graphs:
+            self.capture(bucket)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out
+
+
 class _HostToken:
     """The token id of a frame, copied to the host without waiting for it (CUDA), so the
     stop check of frame i happens while frame i+1 is already queued on the GPU."""
@@ -127,9 +180,7 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
                 following = decode_frame(*args, live=length + i + 1)
             else:
                 bucket = min(model.max_seq_len, -(-(length + i + 1) // LIVE_BUCKET) * LIVE_BUCKET)
-                key_pos = model.positions[:bucket]
-                torch._dynamo.maybe_mark_dynamic(key_pos, 0)
-                following = step(*args, key_pos=key_pos).clone()  # the graph reuses its output buffer
+                following = step(*args, key_pos=model.positions[:bucket]).clone()  # graphs reuse their output buffer
             history[:, i] = following
             input_pos += 1
         if token.get() == model.im_end_id:

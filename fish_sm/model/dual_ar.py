@@ -214,7 +214,7 @@ class DualARTransformer(nn.Module):
 
     def forward_fast(self, x: Tensor, pos: int) -> Tensor:
         """One step of the fast transformer at codebook position `pos`; x [B, fast_dim] -> hidden [B, fast_dim]."""
-        input_pos = torch.tensor([pos], device=x.device)
+        input_pos = self.positions[pos : pos + 1]  # a slice, not a new tensor: no host copy inside a CUDA graph
         x = x[:, None]
         rope = self.fast_rope[pos : pos + 1]
         for layer in self.fast_layers:
