@@ -76,7 +76,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, repetiti
     sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
     cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
     drop_sorted = cum > top_p
-    drop_sorted[..., 0] = False  # always keep the most likely token
+    drop_sorted[..., 0].fill_(False)  # always keep the most likely token (fill_: no host tensor, graph-safe)
     drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
     logits = logits.masked_fill(drop, float("-inf")) / torch.clamp(temperature, min=1e-5)
     return torch.softmax(logits, dim=-1)
