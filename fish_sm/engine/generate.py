@@ -30,7 +30,7 @@ def noise_size(model: DualARTransformer) -> int:
 
 
 def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, window: Tensor | None, noise: Tensor,
-                 temperature: Tensor, top_p: Tensor, penalty: Tensor) -> Tensor:
+                 temperature: Tensor, top_p: Tensor, penalty: Tensor, probs_fn=logits_to_probs) -> Tensor:
     """The slow head's choice and the fast transformer's codes for one frame.
 
     logits [1, semantic_vocab + 1], hidden [1, fast_dim], window [1 + C, 16] (None for the
@@ -40,7 +40,7 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
     c = model.config
     n_head = c.semantic_vocab + 1
     head_prev = None if window is None else head_penalty_indices(window[:, 0], model.semantic_begin_id, c.semantic_vocab, model.im_end_id)
-    probs = logits_to_probs(logits[0], temperature, top_p, penalty, head_prev)
+    probs = probs_fn(logits[0], temperature, top_p, penalty, head_prev)
     row = torch.argmax(probs / noise[:n_head])
     is_end = row == c.semantic_vocab
     token = torch.where(is_end, model.im_end_id, row + model.semantic_begin_id)
@@ -50,7 +50,7 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
     for i in range(1, c.num_codebooks):
         h = model.forward_fast(model.fast_embeddings(code)[None], i)
         logits_i = model.fast_logits(h)[0, :RESIDUAL_CODEBOOK_SIZE]
-        probs = logits_to_probs(logits_i, temperature, top_p, penalty, None if window is None else window[i + 1])
+        probs = probs_fn(logits_i, temperature, top_p, penalty, None if window is None else window[i + 1])
         start = n_head + (i - 1) * RESIDUAL_CODEBOOK_SIZE
         code = torch.argmax(probs / noise[start : start + RESIDUAL_CODEBOOK_SIZE])
         codes.append(code)
@@ -59,7 +59,7 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
 
 def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, window: Tensor, noise: Tensor,
                  temperature: Tensor, top_p: Tensor, penalty: Tensor, live: int = 0,
-                 key_pos: Tensor | None = None) -> Tensor:
+                 key_pos: Tensor | None = None, probs_fn=logits_to_probs) -> Tensor:
     """Feed the previous frame [1 + C] at `input_pos` [1] and sample the next one.
 
     Eager: attention reads exactly `live` cache slots. Compiled: `key_pos` (an arange
@@ -67,7 +67,7 @@ def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, win
     compiled graph serves every length and CUDA graphs are recorded per bucket.
     """
     logits, hidden = model.forward_slow(frame.view(1, -1, 1), input_pos, live, key_pos)
-    return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty)
+    return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty, probs_fn)
 
 
 FrameFn = Callable[..., Tensor]
@@ -83,6 +83,10 @@ class GraphedStep:
     def __init__(self, model: DualARTransformer):
         dev, rows = model.embeddings.weight.device, 1 + model.config.num_codebooks
         self.model = model
+        # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels;
+        # the graphs then replay those kernels.
+        model.compile_layers()
+        self.probs_fn = torch.compile(logits_to_probs, fullgraph=True, dynamic=False)
         self.inputs = {
             "frame": torch.zeros(rows, dtype=torch.long, device=dev),
             "input_pos": torch.zeros(1, dtype=torch.long, device=dev),
@@ -99,7 +103,7 @@ class GraphedStep:
         model, x = self.model, self.inputs
         self.inputs["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
         run = lambda: decode_frame(model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"],
-                                   x["top_p"], x["penalty"], key_pos=model.positions[:bucket])
+                                   x["top_p"], x["penalty"], key_pos=model.positions[:bucket], probs_fn=self.probs_fn)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -80,7 +80,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
+    def project(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v as [B, heads, S, head_dim], normed and rotated."""
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -90,7 +91,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
+        """Write k/v to the cache, attend over its first `live` slots; [B, S, heads * head_dim]."""
+        bsz, _, seqlen, _ = q.shape
         k, v = self.kv_cache.update(input_pos, k, v, live)
         gqa = self.n_head != self.n_local_heads
         if mask is not None:
@@ -100,9 +105,12 @@ class Attention(nn.Module):
         elif seqlen == 1:  # one new token sees every live key
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         else:  # a chunk continuing a prefix: a key is visible to a query at or after its position
-            visible = torch.arange(live, device=x.device)[None, :] <= input_pos[:, None]
+            visible = torch.arange(live, device=q.device)[None, :] <= input_pos[:, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[None, None], enable_gqa=gqa)
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_size))
+        return y.transpose(1, 2).reshape(bsz, seqlen, self.n_head * self.head_dim)
+
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
+        return self.wo(self.attend(*self.project(x, rope), input_pos, live, mask))
 
 
 class FeedForward(nn.Module):
@@ -128,7 +136,22 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(dim, eps)
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None) -> Tensor:
+        if self.compiled is not None and x.shape[1] == 1:
+            # Decode: everything but the cache write and attention runs as fused kernels.
+            pre, post = self.compiled
+            q, k, v = pre(self, x, rope)
+            return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask))
         h = x + self.attention(self.attention_norm(x), rope, input_pos, live, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    # The two halves a compiled decode step fuses; see DualARTransformer.compile_layers.
+    compiled: tuple | None = None
+
+    def _pre_attention(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.attention.project(self.attention_norm(x), rope)
+
+    def _post_attention(self, x: Tensor, y: Tensor) -> Tensor:
+        h = x + self.attention.wo(y)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -161,6 +184,15 @@ class DualARTransformer(nn.Module):
         self.register_buffer("fast_rope", rope_table(c.num_codebooks, c.fast_head_dim, c.rope_base), persistent=False)
         self.register_buffer("codebook_offsets", torch.arange(c.num_codebooks) * c.codebook_size, persistent=False)
         self.max_seq_len = 0
+
+    def compile_layers(self) -> None:
+        """Compile the per-layer work of a decode step around attention, once for all slow
+        layers and once for all fast ones (same code, same shapes: the compiled graphs are
+        shared), so no graph depends on the attention length and compilation stays short."""
+        pre = torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=False)
+        post = torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=False)
+        for block in [*self.layers, *self.fast_layers]:
+            block.compiled = (pre, post)
 
     def head_rows(self) -> Tensor:
         """Vocabulary ids of the slow head's rows: semantic tokens, then <|im_end|>."""
