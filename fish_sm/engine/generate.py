@@ -99,6 +99,7 @@ class GraphedStep:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
+    @torch.inference_mode()  # as every replay runs: one grad mode, one set of compiled graphs
     def capture(self, bucket: int) -> None:
         model, x = self.model, self.inputs
         self.inputs["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used

@@ -189,6 +189,8 @@ class DualARTransformer(nn.Module):
         """Compile the per-layer work of a decode step around attention, once for all slow
         layers and once for all fast ones (same code, same shapes: the compiled graphs are
         shared), so no graph depends on the attention length and compilation stays short."""
+        # One cache entry per layer shape and weight type (bf16, int8), per engine in this process.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         pre = torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=False)
         post = torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=False)
         for block in [*self.layers, *self.fast_layers]:
