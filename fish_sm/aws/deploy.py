@@ -131,6 +131,9 @@ def container_environment(user_env: dict[str, str], *, stock_container: bool, in
             "TS_DEFAULT_STARTUP_TIMEOUT": str(TS_TIMEOUT_S),
             "TS_MAX_RESPONSE_SIZE": str(TS_MAX_BYTES),
             "TS_MAX_REQUEST_SIZE": str(TS_MAX_BYTES),
+            # A request with no Accept reaches output_fn as */*, so its `format` (or WAV) decides,
+            # as in our image; the toolkit's own default would be application/json.
+            "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT": "*/*",
         })
     env.update(user_env)
     if len(env) > 100:

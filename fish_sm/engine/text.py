@@ -30,17 +30,20 @@ def split_text(text: str, chunk_length: int) -> list[str]:
     pieces = []
     for sentence in filter(None, (s.strip() for s in _SENTENCE_END.split(text))):
         pieces += _split_long(sentence, chunk_length)
+    return _pack(pieces, chunk_length)
+
+
+def _pack(pieces: list[str], limit: int) -> list[str]:
+    """Greedily join consecutive pieces while the result stays within `limit`."""
     chunks, current = [], ""
     for piece in pieces:
         joined = _join(current, piece)
-        if len(joined) <= chunk_length:
+        if len(joined) <= limit:
             current = joined
         else:
             chunks.append(current)
             current = piece
-    if current:
-        chunks.append(current)
-    return chunks
+    return chunks + [current] if current else chunks
 
 
 def _split_long(sentence: str, limit: int) -> list[str]:
@@ -49,14 +52,5 @@ def _split_long(sentence: str, limit: int) -> list[str]:
     for pattern in (_CLAUSE_END, re.compile(r"\s+")):
         parts = [p for p in pattern.split(sentence) if p]
         if len(parts) > 1:
-            out, current = [], ""
-            for p in parts:
-                for q in _split_long(p, limit):
-                    joined = _join(current, q)
-                    if len(joined) <= limit:
-                        current = joined
-                    else:
-                        out.append(current)
-                        current = q
-            return out + [current]
+            return _pack([q for p in parts for q in _split_long(p, limit)], limit)
     return [sentence[i : i + limit] for i in range(0, len(sentence), limit)]

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fish_sm.errors import CheckpointError, ConfigError
+from fish_sm.model.layers import RMSNorm, apply_rope, rope_table
 from fish_sm.model.weights import read_state_dict, take
 
 __all__ = [
@@ -345,41 +346,12 @@ class Decoder(nn.Module):
 # Transformer (gpt-fast style, causal, optionally window-limited)
 
 
-def rope_table(length: int, head_dim: int, base: float) -> Tensor:
-    """[length, head_dim/2, 2] cos/sin table, computed in float32 on the CPU and rounded to
-    bfloat16 as upstream's buffer is (the rounding is part of the trained model's numerics)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-    cis = torch.polar(torch.ones_like(angles), angles)
-    return torch.stack([cis.real, cis.imag], dim=-1).to(torch.bfloat16)
-
-
-def apply_rope(x: Tensor, table: Tensor) -> Tensor:
-    """Rotate (even, odd) pairs of x [B, T, H, D] by table [T, D/2, 2], in float32."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos = table[None, :, None, :, 0]
-    sin = table[None, :, None, :, 1]
-    a, b = pairs[..., 0], pairs[..., 1]
-    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(3).type_as(x)
-
-
 def window_mask(q_pos: Tensor, k_pos: Tensor, window: Optional[int]) -> Tensor:
     """[1, 1, Tq, Tk] bool: a query sees keys at or before it, and only the last `window` of them."""
     seen = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         seen &= k_pos[None, :] > q_pos[:, None] - window
     return seen[None, None]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()  # the statistics in float32 even for a bf16 model
-        return (x32 * torch.rsqrt(torch.mean(x32 * x32, dim=-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
 class LayerScale(nn.Module):

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from fish_sm.errors import CheckpointError
 from fish_sm.model.config import ModelConfig
+from fish_sm.model.layers import RMSNorm, apply_rope, rope_table
 from fish_sm.model.weights import read_state_dict, strip_prefix, take
 
 
@@ -38,36 +39,6 @@ class KVCache(nn.Module):
         self.k[:, :, input_pos] = k
         self.v[:, :, input_pos] = v
         return self.k[:, :, :live], self.v[:, :, :live]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
-def rope_table(seq_len: int, head_dim: int, base: float) -> Tensor:
-    """[seq_len, head_dim/2, 2] cos/sin pairs, rounded to bf16 as upstream stores them."""
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
-    cis = torch.polar(torch.ones_like(angles), angles)
-    return torch.stack([cis.real, cis.imag], dim=-1).to(torch.bfloat16)
-
-
-def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """x: [B, S, H, D]; rope: [S, D/2, 2]. Adjacent pairs (x0, x1) rotate together."""
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    r = rope.view(1, xs.size(1), 1, xs.size(3), 2).float()
-    out = torch.stack(
-        [xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1], xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]],
-        dim=-1,
-    )
-    return out.flatten(3).type_as(x)
 
 
 class Attention(nn.Module):
