@@ -1,4 +1,4 @@
-"""invoke --url and bench against a real `fish-sm serve` of the tiny random checkpoint (CPU)."""
+"""invoke --url and bench against a real `fish-sm serve` of a package of the tiny random checkpoint (CPU)."""
 
 import json
 import shutil
@@ -28,11 +28,17 @@ def private_tmpdir(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-serve") / "ckpt"
-    subprocess.run([sys.executable, "-m", "fish_sm.cli", "make-checkpoint", str(path), "--preset", "tiny"],
+def tiny_model(tmp_path_factory, tone, encode_audio):
+    """A package directory, as SageMaker unpacks model.tar.gz: the tiny checkpoint and one voice."""
+    from fish_sm.serving.package import build_package_dir
+
+    root = tmp_path_factory.mktemp("tiny-serve")
+    subprocess.run([sys.executable, "-m", "fish_sm.cli", "make-checkpoint", str(root / "ckpt"), "--preset", "tiny"],
                    check=True, capture_output=True)
-    return path
+    voice = root / "narrator.wav"
+    voice.write_bytes(encode_audio(tone(1.0, 16000), 16000, "WAV"))
+    build_package_dir(root / "ckpt", root / "package", voices={"narrator": (voice, "The narrator speaking.")})
+    return root / "package"
 
 
 def test_bench_local_starts_measures_and_stops_the_server(tiny_model, tmp_path):
@@ -55,7 +61,7 @@ def test_invoke_url_against_fish_sm_serve(tiny_model, tmp_path):
     with local_server(tiny_model, log_path=tmp_path / "serve.log", startup_timeout_s=120) as url:
         out = tmp_path / "hello.wav"
         result = CliRunner().invoke(main, ["invoke", "--url", url, "--text", "Hello from the tiny model.",
-                                           "--max-new-tokens", "8", "--seed", "1", "-o", str(out)])
+                                           "--voice", "narrator", "--max-new-tokens", "8", "--seed", "1", "-o", str(out)])
         assert result.exit_code == 0, result.output
         audio, rate = sf.read(out)
         assert rate == 44100 and len(audio) > 0 and f"{len(audio) / rate:.2f} s of audio" in result.output
