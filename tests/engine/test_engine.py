@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fish_sm.engine import Engine, Reference
+from fish_sm.engine import Reference
 from fish_sm.errors import InputError
 
 SAMPLING = dict(seed=1234, max_new_tokens=24)
