@@ -65,9 +65,13 @@ def _device(context) -> str:
     return f"cuda:{int(gpu) if gpu is not None else 0}"
 
 
+_settings: Settings | None = None  # read and validated once, by model_fn
+
+
 def model_fn(model_dir, context=None) -> ServingModel:
     """Load the package in `model_dir` on this worker's GPU (or the CPU) and make it ready."""
-    settings = Settings.from_env()
+    global _settings
+    settings = _settings = Settings.from_env()
     logging.getLogger("fish_sm").setLevel(settings.log_level)
     model_dir = Path(model_dir)
     device = _device(context)
@@ -113,7 +117,7 @@ def _warm_up(model: ServingModel) -> None:
 
 def input_fn(input_data, content_type, context=None) -> Batch:
     """Parse and validate the body; nothing reaches the GPU unless the whole request is valid."""
-    requests = parse_body(input_data, content_type, Settings.from_env())
+    requests = parse_body(input_data, content_type, _settings or Settings.from_env())
     return Batch(requests, jsonlines=media_type(content_type) in JSONLINES_ALIASES)
 
 
