@@ -28,7 +28,8 @@ from datetime import date
 import torch
 
 from fish_sm.engine import Engine, Reference, SamplingParams
-from fish_sm.engine.generate import decode_frame, generate_frames
+from fish_sm.engine.generate import attention_bucket, decode_frame, generate_frames, noise_size
+from fish_sm.engine.sampling import PENALTY_WINDOW
 from fish_sm.engine.prompt import build_prompt
 
 SENTENCE = ("The quick brown fox jumps over the lazy dog while the patient engineer measures "
@@ -82,28 +83,22 @@ def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int =
         model.forward_slow(prompt.to(dev)[None], torch.arange(length, device=dev), length)
         frame = torch.zeros(prompt.shape[0], dtype=torch.long, device=dev)
         frame[0] = model.semantic_begin_id
-        window = torch.zeros(prompt.shape[0], 16, dtype=torch.long, device=dev)
+        window = torch.zeros(prompt.shape[0], PENALTY_WINDOW, dtype=torch.long, device=dev)
         g = torch.Generator(dev).manual_seed(0)
         for i in range(steps):
             pos = torch.tensor([length + i], device=dev)
-            bucket = model.positions[: min(model.max_seq_len, -(-(length + i + 1) // 256) * 256)]
+            bucket = model.positions[: attention_bucket(model.max_seq_len, length + i + 1)]
             eager_logits, _ = model.forward_slow(frame.view(1, -1, 1), pos, length + i + 1)
             comp_logits, _ = compiled_slow(frame.view(1, -1, 1), pos, 0, bucket)
             worst = max(worst, (eager_logits.float() - comp_logits.float()).abs().max().item())
             scale = max(scale, eager_logits.float().abs().max().item())
-            noise = torch.empty(noise_len(engine), device=dev).exponential_(1, generator=g)
+            noise = torch.empty(noise_size(model), device=dev).exponential_(1, generator=g)
             a = decode_frame(model, frame, pos, window, noise, t, p, r, live=length + i + 1)
             b = engine._step(model, frame, pos, window, noise, t, p, r, key_pos=bucket).clone() if engine.compiled else a
             agree += int((a == b).sum())
             total += a.numel()
             frame = a
     return {"max_abs_logit_diff": worst, "max_abs_logit": scale, "code_agreement": agree / total}
-
-
-def noise_len(engine: Engine) -> int:
-    from fish_sm.engine.generate import noise_size
-
-    return noise_size(engine.model)
 
 
 def measure(engine: Engine, frames: int, repeats: int, prompt_tokens: int) -> dict:

@@ -7,7 +7,8 @@ the prefill, zero-filled while fewer exist; the slow head sees only the window's
 frame (see `sampling.head_penalty_indices`).
 
 `decode_frame` is a pure tensor function of fixed shapes — the random draws come in as
-a tensor of Exp(1) noise — so `torch.compile` can capture a whole frame as one CUDA graph.
+a tensor of Exp(1) noise — so a whole frame can be captured as a CUDA graph (`GraphedStep`)
+or compiled with torch.compile.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, win
                  key_pos: Tensor | None = None, probs_fn=logits_to_probs) -> Tensor:
     """Feed the previous frame [1 + C] at `input_pos` [1] and sample the next one.
 
-    Eager: attention reads exactly `live` cache slots. Compiled: `key_pos` (an arange
-    whose length is `live` rounded up to a bucket, marked dynamic) sets how many, so one
-    compiled graph serves every length and CUDA graphs are recorded per bucket.
+    Eager: attention reads exactly `live` cache slots. Compiled: `key_pos` (an arange whose
+    length is `live` rounded up by `attention_bucket`) sets how many, masking the slots after
+    the query, so a graph serves every position in its bucket.
     """
     logits, hidden = model.forward_slow(frame.view(1, -1, 1), input_pos, live, key_pos)
     return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty, probs_fn)
@@ -74,9 +75,14 @@ FrameFn = Callable[..., Tensor]
 LIVE_BUCKET = 256  # cache slots; the compiled step reads at most this many more than it needs
 
 
+def attention_bucket(max_seq_len: int, live: int) -> int:
+    """The cache slots the compiled step attends over for `live` used ones."""
+    return min(max_seq_len, -(-live // LIVE_BUCKET) * LIVE_BUCKET)
+
+
 class GraphedStep:
     """`decode_frame` replayed from CUDA graphs: one graph per attention bucket, all
-    captured up front, so a frame is a single launch of ~1,500 kernels with no Python
+    captured up front, so a frame is a single launch of all its kernels with no Python
     or launch overhead between them. Inputs are copied into static buffers; the output
     buffer is reused by the next replay (callers clone it)."""
 
@@ -116,18 +122,16 @@ class GraphedStep:
         self.graphs[bucket] = (graph, out)
 
     def capture_all(self) -> None:
-        for bucket in range(LIVE_BUCKET, self.model.max_seq_len + LIVE_BUCKET, LIVE_BUCKET):
-            self.capture(min(bucket, self.model.max_seq_len))
+        n = self.model.max_seq_len
+        for live in range(LIVE_BUCKET, n + LIVE_BUCKET, LIVE_BUCKET):
+            self.capture(attention_bucket(n, live))
 
     def __call__(self, model, frame, input_pos, window, noise, temperature, top_p, penalty, key_pos) -> Tensor:
         x = self.inputs
         for name, value in (("frame", frame), ("input_pos", input_pos), ("window", window), ("noise", noise),
                             ("temperature", temperature), ("top_p", top_p), ("penalty", penalty)):
             x[name].copy_(value, non_blocking=True)
-        bucket = key_pos.shape[0]
-        if bucket not in self.graphs:
-            self.capture(bucket)
-        graph, out = self.graphs[bucket]
+        graph, out = self.graphs[key_pos.shape[0]]
         graph.replay()
         return out
 
@@ -184,7 +188,7 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
             if step is None:
                 following = decode_frame(*args, live=length + i + 1)
             else:
-                bucket = min(model.max_seq_len, -(-(length + i + 1) // LIVE_BUCKET) * LIVE_BUCKET)
+                bucket = attention_bucket(model.max_seq_len, length + i + 1)
                 following = step(*args, key_pos=model.positions[:bucket]).clone()  # graphs reuse their output buffer
             history[:, i] = following
             input_pos += 1

@@ -80,9 +80,6 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[None, None], enable_gqa=gqa)
         return y.transpose(1, 2).reshape(bsz, seqlen, self.n_head * self.head_dim)
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
-        return self.wo(self.attend(*self.project(x, rope), input_pos, live, mask))
-
 
 class FeedForward(nn.Module):
     """SwiGLU. The gate (w1) and up (w3) projections are one matrix, w13, so a decode
@@ -107,16 +104,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(dim, eps)
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None) -> Tensor:
-        if self.compiled is not None and x.shape[1] == 1:
-            # Decode: everything but the cache write and attention runs as fused kernels.
-            pre, post = self.compiled
-            q, k, v = pre(self, x, rope)
-            return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask))
-        h = x + self.attention(self.attention_norm(x), rope, input_pos, live, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    # The two halves a compiled decode step fuses; see DualARTransformer.compile_layers.
-    compiled: tuple | None = None
+        # A decode step runs the compiled halves (see DualARTransformer.compile_layers) when there
+        # are some; the cache write and attention between them always run as they are.
+        pre, post = self.compiled if self.compiled is not None and x.shape[1] == 1 else self._halves
+        q, k, v = pre(self, x, rope)
+        return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask))
 
     def _pre_attention(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.attention.project(self.attention_norm(x), rope)
@@ -124,6 +116,9 @@ class TransformerBlock(nn.Module):
     def _post_attention(self, x: Tensor, y: Tensor) -> Tensor:
         h = x + self.attention.wo(y)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    _halves = (_pre_attention, _post_attention)
+    compiled: tuple | None = None
 
 
 class DualARTransformer(nn.Module):

@@ -49,7 +49,7 @@ def json_error_body(exc: BaseException) -> tuple[int, str, bytes]:
     return int(status), str(phrase).replace("\r", " ").replace("\n", " "), json.dumps({"error": message}).encode()
 
 
-def _handle_error(context, inference_exception, trace):
+def handle_error(context, inference_exception, trace):
     logger.error("request failed: %s", trace)
     status, phrase, body = json_error_body(inference_exception)
     context.set_response_status(code=status, phrase=phrase)
@@ -68,4 +68,4 @@ def install_json_errors() -> None:
     """
     from sagemaker_inference import transformer
 
-    transformer.Transformer.handle_error = staticmethod(_handle_error)
+    transformer.Transformer.handle_error = staticmethod(handle_error)

@@ -186,19 +186,19 @@ def _fetch_s3(bucket: str, key: str, settings: Settings) -> bytes:
 
 def output_fn(prediction: Prediction, accept, context=None) -> tuple[bytes, str]:
     """Encode the result for the Accept header; JSON Lines in, JSON Lines out."""
-    rate = prediction.results[0].sample_rate if prediction.results else 44100
     if prediction.jsonlines:
         check_accept(accept, jsonlines=True)
-        lines = []
-        for request, result in zip(prediction.requests, prediction.results):
-            fmt = request.format or "wav"
-            body, out_rate = audio_out.encode_audio(result.audio, rate, fmt, request.sample_rate)
-            lines.append(audio_out.json_bytes(audio_out.json_document(body, fmt, out_rate, result)))
+        lines = [_json(request, result, request.format or "wav") for request, result in zip(prediction.requests, prediction.results)]
         return b"\n".join(lines) + b"\n", JSONLINES
     request, result = prediction.requests[0], prediction.results[0]
     kind, fmt = response_format(accept, request)
-    body, out_rate = audio_out.encode_audio(result.audio, rate, fmt, request.sample_rate)
-    if kind in (JSON, JSONLINES):
-        doc = audio_out.json_bytes(audio_out.json_document(body, fmt, out_rate, result))
-        return (doc + b"\n" if kind == JSONLINES else doc), kind
-    return body, kind
+    if kind == JSON:
+        return _json(request, result, fmt), kind
+    if kind == JSONLINES:
+        return _json(request, result, fmt) + b"\n", kind
+    return audio_out.encode_audio(result.audio, result.sample_rate, fmt, request.sample_rate)[0], kind
+
+
+def _json(request: TTSRequest, result, fmt: str) -> bytes:
+    body, rate = audio_out.encode_audio(result.audio, result.sample_rate, fmt, request.sample_rate)
+    return audio_out.json_bytes(audio_out.json_document(body, fmt, rate, result))

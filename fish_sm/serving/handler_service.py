@@ -14,7 +14,7 @@ from sagemaker_inference.default_inference_handler import DefaultInferenceHandle
 from sagemaker_inference.transformer import Transformer
 
 from fish_sm.serving import handler
-from fish_sm.serving.errors import HTTPError, _handle_error
+from fish_sm.serving.errors import HTTPError, handle_error
 from fish_sm.serving.request import check_accept
 from fish_sm.serving.front import mark_ready
 
@@ -29,7 +29,7 @@ class _Handlers(DefaultInferenceHandler):
 
 
 class JSONErrorTransformer(Transformer):
-    handle_error = staticmethod(_handle_error)
+    handle_error = staticmethod(handle_error)
 
 
 _transformer = JSONErrorTransformer(default_inference_handler=_Handlers())
@@ -48,5 +48,5 @@ def handle(data, context):
     try:
         check_accept(props.get("Accept") or props.get("accept"))
     except HTTPError as exc:
-        return _handle_error(context, exc, "")
+        return handle_error(context, exc, "")
     return _transformer.transform(data, context)
