@@ -6,52 +6,12 @@ when a command runs; botocore's errors become one-line messages like our own.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
 import click
 
 from fish_sm.cli.common import friendly_errors, main
-
-
-def _boto_message(exc: BaseException) -> str | None:
-    """A one-line message for errors raised by boto3/botocore/s3transfer; None for anything else."""
-    module = type(exc).__module__ or ""
-    if not module.startswith(("botocore", "boto3", "s3transfer")):
-        return None
-    from botocore import exceptions as bx
-
-    if isinstance(exc, bx.ClientError):
-        err = exc.response.get("Error", {})
-        return f"{exc.operation_name}: {err.get('Code', 'error')}: {err.get('Message') or exc}"
-    if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError)):
-        return ("no usable AWS credentials: run `aws configure`, pass --profile, or set "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
-    if isinstance(exc, bx.NoRegionError):
-        return "no AWS region: pass --region or set AWS_REGION"
-    if isinstance(exc, bx.EndpointConnectionError):
-        return f"cannot reach AWS at {exc.kwargs.get('endpoint_url')}: check --region, --endpoint-url and the network"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def aws_command(fn):
-    """friendly_errors, plus botocore's errors as one line and a non-zero exit (never a traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:
-            message = _boto_message(exc)
-            if message is None:
-                raise
-            message = " ".join(message.split())
-            if len(message) > 600:
-                message = message[:600] + " ..."
-            raise click.ClickException(message) from None
-
-    return friendly_errors(wrapper)
 
 
 def aws_options(fn):
@@ -94,7 +54,7 @@ def _human(n: float) -> str:
 @click.option("--compress-level", type=click.IntRange(0, 9), default=1, show_default=True,
               help="gzip level; weights barely compress, so 1 saves minutes.")
 @aws_options
-@aws_command
+@friendly_errors
 def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, compress_level,
             region, profile, endpoint_url):
     """Build model.tar.gz from CHECKPOINT_DIR (or archive an already built package directory).
@@ -171,7 +131,7 @@ def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, co
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until InService (needed for autoscaling).")
 @click.option("--poll", type=float, default=15.0, show_default=True, help="Seconds between status checks.")
 @aws_options
-@aws_command
+@friendly_errors
 def deploy(name, model_data, role, image, stock_container, instance_type, instances, min_instances, max_instances,
            target, metric, is_async, async_output, async_failure, sns_success, sns_error, max_concurrent,
            scale_to_zero, env_pairs, startup_timeout, download_timeout, bake, rollback_errors, wait, poll,
@@ -248,7 +208,7 @@ def _one_target(*choices: tuple[str, object]) -> None:
 @click.option("--timeout", type=float, default=900, show_default=True, help="Seconds to wait for the audio.")
 @click.option("--poll", type=float, default=5.0, show_default=True, help="Async: seconds between checks for the result.")
 @aws_options
-@aws_command
+@friendly_errors
 def invoke(name, url, text, voice, reference, reference_text, output, fmt, seed, temperature, top_p,
            repetition_penalty, max_new_tokens, chunk_length, sample_rate, is_async, input_location, timeout, poll,
            region, profile, endpoint_url):
@@ -300,7 +260,7 @@ def invoke(name, url, text, voice, reference, reference_text, output, fmt, seed,
 @click.option("--timeout", type=float, default=900, show_default=True, help="Seconds per request.")
 @click.option("--startup-timeout", type=float, default=900, show_default=True, help="--local: seconds to wait for /ping.")
 @aws_options
-@aws_command
+@friendly_errors
 def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, max_new_tokens, seed, warmup, out_dir,
           timeout, startup_timeout, region, profile, endpoint_url):
     """Load-test endpoint NAME, --url or --local: latency, throughput, real-time factor, errors."""
@@ -345,7 +305,7 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, max_new_
 @click.option("--download", type=click.Path(file_okay=False, path_type=Path), help="Also fetch the results here.")
 @click.option("--poll", type=float, default=30.0, show_default=True, help="Seconds between status checks.")
 @aws_options
-@aws_command
+@friendly_errors
 def transform(name, source, dest, instances, instance_type, wait, download, poll, region, profile, endpoint_url):
     """Run a Batch Transform job with the model of endpoint (or model) NAME over JSON Lines."""
     from fish_sm.aws.s3 import S3Uri, download_file, parse_s3_uri
@@ -375,7 +335,7 @@ def transform(name, source, dest, instances, instance_type, wait, download, poll
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @aws_options
-@aws_command
+@friendly_errors
 def status(name, as_json, region, profile, endpoint_url):
     """Show endpoint NAME: state, instances, async config, autoscaling, alarms."""
     from fish_sm.aws.deploy import status as endpoint_status
@@ -405,7 +365,7 @@ def status(name, as_json, region, profile, endpoint_url):
 @main.command()
 @click.argument("name")
 @aws_options
-@aws_command
+@friendly_errors
 def delete(name, region, profile, endpoint_url):
     """Delete endpoint NAME and its configs, models, autoscaling and alarms (safe to repeat)."""
     from fish_sm.aws.deploy import delete as delete_endpoint
