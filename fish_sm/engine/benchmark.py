@@ -76,7 +76,7 @@ def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int =
     model, dev = engine.model, engine.device
     compiled_slow = model.forward_slow if dev.type == "cuda" else torch.compile(model.forward_slow, fullgraph=True)
     params = SamplingParams(seed=0)
-    t, p, r = params.tensors(dev)
+    t, p, r = (x.view(1, 1) for x in params.tensors(dev))
     worst, scale, agree, total = 0.0, 0.0, 0, 0
     with torch.inference_mode():
         length = prompt.shape[1]
@@ -92,9 +92,9 @@ def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int =
             comp_logits, _ = compiled_slow(frame.view(1, -1, 1), pos, 0, bucket)
             worst = max(worst, (eager_logits.float() - comp_logits.float()).abs().max().item())
             scale = max(scale, eager_logits.float().abs().max().item())
-            noise = torch.empty(noise_size(model), device=dev).exponential_(1, generator=g)
-            a = decode_frame(model, frame, pos, window, noise, t, p, r, live=length + i + 1)
-            b = engine._step(model, frame, pos, window, noise, t, p, r, key_pos=bucket).clone() if engine.compiled else a
+            noise = torch.empty(1, noise_size(model), device=dev).exponential_(1, generator=g)
+            a = decode_frame(model, frame[None], pos, window[None], noise, t, p, r, live=length + i + 1)[0]
+            b = engine._step(model, frame[None], pos, window[None], noise, t, p, r, key_pos=bucket)[0].clone() if engine.compiled else a
             agree += int((a == b).sum())
             total += a.numel()
             frame = a
@@ -173,6 +173,54 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
     return out
 
 
+BATCH_TEXTS = [
+    "Hello, and welcome to the show.",
+    "The weather today is sunny with a light breeze from the west.",
+    "Please remember to bring your badge to the front desk before the meeting starts.",
+    "Numbers like 42 and 1,024 are read out loud, one after another.",
+    "She sells sea shells by the sea shore, and the shells she sells are surely sea shells.",
+    "In the beginning there was silence, and then, slowly, a voice.",
+]
+
+
+def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, max_seq_len: int, device: str) -> dict:
+    """The batching engine at each number of concurrent streaming requests: aggregate and
+    per-stream frames/s, time to first audio (p50/p95). Each level runs `frames` frames per
+    request (random weights do not stop early), all submitted at once."""
+    from fish_sm.engine.batching import BatchEngine, Job
+
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    engine = Engine.from_pretrained(checkpoint, device=dev, max_seq_len=max_seq_len)
+    if mode == "int8":
+        engine.quantize_int8()
+    batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0)
+    out = {"mode": mode, "slots": batcher.slots, "max_seq_len": max_seq_len, "frames_per_request": frames}
+    if mode != "eager":
+        out["compile_s"] = _timed(batcher.compile, dev)
+        out["graphs"] = len(batcher._step.graphs) if batcher._step else 0
+    rate = engine.sample_rate / engine.frame_length
+    levels = []
+    with batcher:
+        batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()  # warm-up
+        for n in streams:
+            t0 = time.perf_counter()
+            tickets = [batcher.submit(Job(BATCH_TEXTS[i % len(BATCH_TEXTS)], stream=True,
+                                          params=SamplingParams(seed=i, max_new_tokens=frames))) for i in range(n)]
+            results = [t.result() for t in tickets]
+            wall = time.perf_counter() - t0
+            first = sorted(t.timings["first_audio"] * 1e3 for t in tickets)
+            per_stream = [r.frames / r.timings["generate"] for r in results]
+            levels.append({
+                "streams": n, "aggregate_frames_per_s": sum(r.frames for r in results) / wall,
+                "per_stream_frames_per_s_min": min(per_stream), "per_stream_realtime_x_min": min(per_stream) / rate,
+                "first_audio_ms_p50": statistics.median(first), "first_audio_ms_p95": first[min(len(first) - 1, round(0.95 * (len(first) - 1)))],
+                "wall_s": wall,
+            })
+            print(json.dumps(levels[-1]), flush=True)
+    out["levels"] = levels
+    return out
+
+
 COLD_WARM = """
 import json, sys, time, logging
 logging.basicConfig(level=logging.WARNING)
@@ -207,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--device", default="auto")
     p.add_argument("--cold-warm", action="store_true", help="also time model_fn cold and from the persisted cache")
+    p.add_argument("--batching", help="also measure the batching engine at these stream counts, e.g. 1,4,8,16,32,64")
+    p.add_argument("--batching-frames", type=int, default=300, help="frames per request in --batching")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request in --batching")
     p.add_argument("--json", help="write the report here too")
     a = p.parse_args(argv)
     report = {
@@ -220,9 +271,15 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w") as f:
                 json.dump(report, f, indent=2)
 
-    for mode in a.modes.split(","):
+    for mode in filter(None, a.modes.split(",")):
         report["modes"].append(run_mode(a.checkpoint, mode, a.frames, a.repeats, a.prompt_tokens, a.device))
         save(report["modes"][-1])
+    if a.batching:
+        streams = [int(n) for n in a.batching.split(",")]
+        for mode in [m for m in a.modes.split(",") if m in ("bf16", "int8")] or ["int8"]:
+            report.setdefault("batching", []).append(
+                batching_curve(a.checkpoint, mode, streams, a.batching_frames, a.max_seq_len, a.device))
+            save(report["batching"][-1])
     if a.cold_warm:
         report["model_fn"] = cold_warm(a.checkpoint, "int8" if "int8" in a.modes else "none")
         save(report["model_fn"])

@@ -22,7 +22,7 @@ from torch import Tensor
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.engine.audio import AudioInput, load_reference_audio
 from fish_sm.engine.generate import GraphedStep, decode_frame, generate_frames
-from fish_sm.engine.prompt import build_prompt
+from fish_sm.engine.prompt import chunk_prompt
 from fish_sm.engine.sampling import SamplingParams
 from fish_sm.engine.text import split_text
 from fish_sm.model.checkpoint import find_model_file
@@ -175,21 +175,12 @@ class Engine:
     def frames(self, text: str, references: Sequence[Reference] = (), chunk_length: int = DEFAULT_CHUNK_LENGTH,
                params: SamplingParams = SamplingParams()) -> Iterator[Tensor]:
         """Codes frame by frame ([num_codebooks] on the device), over all chunks of `text`."""
-        if not isinstance(text, str) or not text.strip():
-            raise InputError("text must be a non-empty string")
-        if isinstance(chunk_length, bool) or not isinstance(chunk_length, int) or chunk_length < 1:
-            raise InputError(f"chunk_length must be a positive integer, got {chunk_length!r}")
-        generator = torch.Generator(self.device)
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
+        check_text(text, chunk_length)
+        generator = request_generator(self.device, params.seed)
         turns = [(r.text, r.codes) for r in references]
         previous: list[tuple[str, Tensor]] = []
         for chunk in split_text(text, chunk_length):
-            prompt = build_prompt(self.tokenizer, self.config.num_codebooks, turns + previous, chunk)
-            if previous and prompt.shape[1] + 1 >= self.model.max_seq_len:
-                prompt = build_prompt(self.tokenizer, self.config.num_codebooks, turns, chunk)
+            prompt = chunk_prompt(self.tokenizer, self.config.num_codebooks, self.model.max_seq_len, turns, previous, chunk)
             produced = []
             for frame in generate_frames(self.model, prompt, params, generator, step=self._step):
                 produced.append(frame[1:])
@@ -202,7 +193,7 @@ class Engine:
         top_p, repetition_penalty, max_new_tokens (per chunk), seed."""
         params = SamplingParams(**sampling)
         t0 = time.perf_counter()
-        frames = list(self.frames(text, _as_list(reference), chunk_length, params))
+        frames = list(self.frames(text, as_references(reference), chunk_length, params))
         t1 = time.perf_counter()
         with torch.inference_mode():
             if frames:
@@ -221,7 +212,7 @@ class Engine:
         then every `chunk_frames`. The pieces concatenate to what `synthesize` returns
         for the same seed."""
         params = SamplingParams(**sampling)
-        frames = self.frames(text, _as_list(reference), chunk_length, params)
+        frames = self.frames(text, as_references(reference), chunk_length, params)
         decoder = self.codec.streaming_decoder(batch_size=1)
         pending: list[Tensor] = []
         want = first_chunk_frames
@@ -244,7 +235,24 @@ class Engine:
                          rtf=timings["total"] / seconds if seconds else float("inf"), timings=timings, codes=codes)
 
 
-def _as_list(reference) -> list[Reference]:
+def request_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """The random stream of one request: seeded, or from the OS when no seed is given."""
+    generator = torch.Generator(device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def check_text(text: str, chunk_length: int) -> None:
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("text must be a non-empty string")
+    if isinstance(chunk_length, bool) or not isinstance(chunk_length, int) or chunk_length < 1:
+        raise InputError(f"chunk_length must be a positive integer, got {chunk_length!r}")
+
+
+def as_references(reference) -> list[Reference]:
     if reference is None:
         return []
     if isinstance(reference, Reference):

@@ -32,42 +32,43 @@ def noise_size(model: DualARTransformer) -> int:
 
 def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, window: Tensor | None, noise: Tensor,
                  temperature: Tensor, top_p: Tensor, penalty: Tensor, probs_fn=logits_to_probs) -> Tensor:
-    """The slow head's choice and the fast transformer's codes for one frame.
+    """The slow head's choice and the fast transformer's codes for one frame of each of B rows.
 
-    logits [1, semantic_vocab + 1], hidden [1, fast_dim], window [1 + C, 16] (None for the
-    frame after the prefill, which upstream samples without penalty), noise [noise_size].
-    Returns [1 + C]: (token id, code 0, ..., code C-1).
+    logits [B, semantic_vocab + 1], hidden [B, fast_dim], window [B, 1 + C, 16] (None for
+    the frame after a prefill, which upstream samples without penalty), noise [B, noise_size],
+    temperature/top_p/penalty [B, 1]. Returns [B, 1 + C]: (token id, code 0, ..., code C-1).
     """
     c = model.config
     n_head = c.semantic_vocab + 1
-    head_prev = None if window is None else head_penalty_indices(window[:, 0], model.semantic_begin_id, c.semantic_vocab, model.im_end_id)
-    probs = probs_fn(logits[0], temperature, top_p, penalty, head_prev)
-    row = torch.argmax(probs / noise[:n_head])
+    head_prev = None if window is None else head_penalty_indices(window[:, :, 0], model.semantic_begin_id, c.semantic_vocab, model.im_end_id)
+    probs = probs_fn(logits, temperature, top_p, penalty, head_prev)
+    row = torch.argmax(probs / noise[:, :n_head], dim=-1)
     is_end = row == c.semantic_vocab
     token = torch.where(is_end, model.im_end_id, row + model.semantic_begin_id)
     code = torch.where(is_end, 0, row)
     codes = [code]
     model.forward_fast(hidden, 0)  # fills position 0 of the fast cache; its logits are unused
     for i in range(1, c.num_codebooks):
-        h = model.forward_fast(model.fast_embeddings(code)[None], i)
-        logits_i = model.fast_logits(h)[0, :RESIDUAL_CODEBOOK_SIZE]
-        probs = probs_fn(logits_i, temperature, top_p, penalty, None if window is None else window[i + 1])
+        h = model.forward_fast(model.fast_embeddings(code), i)
+        logits_i = model.fast_logits(h)[:, :RESIDUAL_CODEBOOK_SIZE]
+        probs = probs_fn(logits_i, temperature, top_p, penalty, None if window is None else window[:, i + 1])
         start = n_head + (i - 1) * RESIDUAL_CODEBOOK_SIZE
-        code = torch.argmax(probs / noise[start : start + RESIDUAL_CODEBOOK_SIZE])
+        code = torch.argmax(probs / noise[:, start : start + RESIDUAL_CODEBOOK_SIZE], dim=-1)
         codes.append(code)
-    return torch.stack([token, *codes]).view(-1)
+    return torch.stack([token, *codes], dim=1)
 
 
 def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, window: Tensor, noise: Tensor,
                  temperature: Tensor, top_p: Tensor, penalty: Tensor, live: int = 0,
                  key_pos: Tensor | None = None, probs_fn=logits_to_probs) -> Tensor:
-    """Feed the previous frame [1 + C] at `input_pos` [1] and sample the next one.
+    """Feed each row's previous frame (frame [B, 1 + C], at input_pos [B], in cache rows 0..B-1)
+    and sample the next ones; sampling parameters are [B, 1], one per row.
 
-    Eager: attention reads exactly `live` cache slots. Compiled: `key_pos` (an arange whose
-    length is `live` rounded up by `attention_bucket`) sets how many, masking the slots after
-    the query, so a graph serves every position in its bucket.
+    Eager: attention reads exactly `live` cache slots. Compiled or batched: `key_pos` (an
+    arange of the longest row's length rounded up by `attention_bucket`) sets how many,
+    masking each row's slots after its query, so a graph serves every position in its bucket.
     """
-    logits, hidden = model.forward_slow(frame.view(1, -1, 1), input_pos, live, key_pos)
+    logits, hidden = model.forward_slow(frame[:, :, None], input_pos[:, None], live, key_pos)
     return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty, probs_fn)
 
 
@@ -80,35 +81,39 @@ def attention_bucket(max_seq_len: int, live: int) -> int:
     return min(max_seq_len, -(-live // LIVE_BUCKET) * LIVE_BUCKET)
 
 
-class GraphedStep:
-    """`decode_frame` replayed from CUDA graphs: one graph per attention bucket, all
-    captured up front, so a frame is a single launch of all its kernels with no Python
-    or launch overhead between them. Inputs are copied into static buffers; the output
-    buffer is reused by the next replay (callers clone it)."""
+def length_buckets(max_seq_len: int) -> list[int]:
+    return sorted({attention_bucket(max_seq_len, live) for live in range(LIVE_BUCKET, max_seq_len + LIVE_BUCKET, LIVE_BUCKET)})
 
-    def __init__(self, model: DualARTransformer):
+
+class GraphedStep:
+    """`decode_frame` replayed from CUDA graphs, one per (batch size, attention bucket), so a
+    frame is a single launch of all its kernels with no Python or launch overhead between
+    them. Inputs are copied into static buffers (the first B rows of buffers sized for
+    `max_batch`); the output buffer is reused by the next replay (callers clone it)."""
+
+    def __init__(self, model: DualARTransformer, max_batch: int = 1):
         dev, rows = model.embeddings.weight.device, 1 + model.config.num_codebooks
         self.model = model
         # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels;
         # the graphs then replay those kernels.
-        model.compile_layers()
-        self.probs_fn = torch.compile(logits_to_probs, fullgraph=True, dynamic=False)
+        model.compile_layers(dynamic_batch=max_batch > 1)
+        self.probs_fn = torch.compile(logits_to_probs, fullgraph=True, dynamic=None if max_batch > 1 else False)
         self.inputs = {
-            "frame": torch.zeros(rows, dtype=torch.long, device=dev),
-            "input_pos": torch.zeros(1, dtype=torch.long, device=dev),
-            "window": torch.zeros(rows, PENALTY_WINDOW, dtype=torch.long, device=dev),
-            "noise": torch.ones(noise_size(model), device=dev),
-            "temperature": torch.ones((), device=dev),
-            "top_p": torch.ones((), device=dev),
-            "penalty": torch.ones((), device=dev),
+            "frame": torch.zeros(max_batch, rows, dtype=torch.long, device=dev),
+            "input_pos": torch.zeros(max_batch, dtype=torch.long, device=dev),
+            "window": torch.zeros(max_batch, rows, PENALTY_WINDOW, dtype=torch.long, device=dev),
+            "noise": torch.ones(max_batch, noise_size(model), device=dev),
+            "temperature": torch.ones(max_batch, 1, device=dev),
+            "top_p": torch.ones(max_batch, 1, device=dev),
+            "penalty": torch.ones(max_batch, 1, device=dev),
         }
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
     @torch.inference_mode()  # as every replay runs: one grad mode, one set of compiled graphs
-    def capture(self, bucket: int) -> None:
-        model, x = self.model, self.inputs
-        self.inputs["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
+    def capture(self, batch: int, bucket: int) -> None:
+        model, x = self.model, {k: v[:batch] for k, v in self.inputs.items()}
+        x["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
         run = lambda: decode_frame(model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"],
                                    x["top_p"], x["penalty"], key_pos=model.positions[:bucket], probs_fn=self.probs_fn)
         side = torch.cuda.Stream()
@@ -119,40 +124,40 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = run()
-        self.graphs[bucket] = (graph, out)
+        self.graphs[(batch, bucket)] = (graph, out)
 
-    def capture_all(self) -> None:
-        n = self.model.max_seq_len
-        for live in range(LIVE_BUCKET, n + LIVE_BUCKET, LIVE_BUCKET):
-            self.capture(attention_bucket(n, live))
+    def capture_all(self, batches=(1,)) -> None:
+        for batch in batches:
+            for bucket in length_buckets(self.model.max_seq_len):
+                self.capture(batch, bucket)
 
     def __call__(self, model, frame, input_pos, window, noise, temperature, top_p, penalty, key_pos) -> Tensor:
-        x = self.inputs
+        x, batch = self.inputs, frame.shape[0]
         for name, value in (("frame", frame), ("input_pos", input_pos), ("window", window), ("noise", noise),
                             ("temperature", temperature), ("top_p", top_p), ("penalty", penalty)):
-            x[name].copy_(value, non_blocking=True)
-        graph, out = self.graphs[key_pos.shape[0]]
+            x[name][:batch].copy_(value, non_blocking=True)
+        graph, out = self.graphs[(batch, key_pos.shape[0])]
         graph.replay()
         return out
 
 
-class _HostToken:
-    """The token id of a frame, copied to the host without waiting for it (CUDA), so the
-    stop check of frame i happens while frame i+1 is already queued on the GPU."""
+class HostCopy:
+    """A tensor copied to the host without waiting for it (CUDA): the host reads frame i
+    (the stop check) while frame i+1 is already queued on the GPU."""
 
-    def __init__(self, frame: Tensor):
-        if frame.is_cuda:
-            self.value = torch.empty((), dtype=frame.dtype, pin_memory=True)
-            self.value.copy_(frame[0], non_blocking=True)
+    def __init__(self, tensor: Tensor):
+        if tensor.is_cuda:
+            self.value = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.value.copy_(tensor, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.value, self.event = frame[0], None
+            self.value, self.event = tensor.clone(), None
 
-    def get(self) -> int:
+    def get(self) -> Tensor:
         if self.event is not None:
             self.event.synchronize()
-        return int(self.value)
+        return self.value
 
 
 @torch.inference_mode()
@@ -168,33 +173,33 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
     if length + 1 >= model.max_seq_len:
         raise InputError(f"the prompt is {length} tokens; this model holds at most {model.max_seq_len - 2}")
     max_new = min(params.max_new_tokens, model.max_seq_len - length)
-    temperature, top_p, penalty = params.tensors(device)
+    temperature, top_p, penalty = (t.view(1, 1) for t in params.tensors(device))
     n_noise = noise_size(model)
 
     def noise() -> Tensor:
-        return torch.empty(n_noise, device=device).exponential_(1, generator=generator)
+        return torch.empty(1, n_noise, device=device).exponential_(1, generator=generator)
 
     logits, hidden = model.forward_slow(prompt.to(device)[None], torch.arange(length, device=device), length)
-    frame = sample_frame(model, logits, hidden, None, noise(), temperature, top_p, penalty)
+    frame = sample_frame(model, logits, hidden, None, noise(), temperature, top_p, penalty)[0]
     history = torch.zeros(n_rows, max(max_new, PENALTY_WINDOW), dtype=torch.long, device=device)
     input_pos = torch.tensor([length], device=device)
-    token = _HostToken(frame)
+    token = HostCopy(frame[:1])
     for i in range(max_new):
         following = None
         if i + 1 < max_new:
             start = max(0, i - PENALTY_WINDOW)
-            window = history[:, start : start + PENALTY_WINDOW]
-            args = (model, frame, input_pos, window, noise(), temperature, top_p, penalty)
+            window = history[None, :, start : start + PENALTY_WINDOW]
+            args = (model, frame[None], input_pos, window, noise(), temperature, top_p, penalty)
             if step is None:
-                following = decode_frame(*args, live=length + i + 1)
+                following = decode_frame(*args, live=length + i + 1)[0]
             else:
                 bucket = attention_bucket(model.max_seq_len, length + i + 1)
-                following = step(*args, key_pos=model.positions[:bucket]).clone()  # graphs reuse their output buffer
+                following = step(*args, key_pos=model.positions[:bucket])[0].clone()  # graphs reuse their output buffer
             history[:, i] = following
             input_pos += 1
-        if token.get() == model.im_end_id:
+        if int(token.get()[0]) == model.im_end_id:
             return
         yield frame
         if following is None:
             return
-        frame, token = following, _HostToken(following)
+        frame, token = following, HostCopy(following[:1])

@@ -32,8 +32,9 @@ def _codes(tokenizer: Tokenizer, codes: Tensor) -> Tensor:
     return torch.cat([codes[:1] + tokenizer.semantic_begin_id, codes])
 
 
-def build_prompt(tokenizer: Tokenizer, num_codebooks: int, turns: list[tuple[str, Tensor]], text: str) -> Tensor:
-    """turns: (transcript, codes [num_codebooks, frames]) pairs spoken before `text`."""
+def prompt_prefix(tokenizer: Tokenizer, num_codebooks: int, turns: list[tuple[str, Tensor]]) -> Tensor:
+    """The part of the prompt before the text to speak: every prompt for the same turns
+    starts with these tokens, so their KV cache can be computed once (the batching engine)."""
     parts = [_text(tokenizer, INTERLEAVE, num_codebooks, special=True)]
     for transcript, codes in turns:
         if codes.shape[0] != num_codebooks:
@@ -44,5 +45,21 @@ def build_prompt(tokenizer: Tokenizer, num_codebooks: int, turns: list[tuple[str
             _codes(tokenizer, codes),
             _text(tokenizer, IM_END, num_codebooks, special=True),
         ]
-    parts += [_text(tokenizer, SPEAKER, num_codebooks), _text(tokenizer, text, num_codebooks)]
     return torch.cat(parts, dim=1)
+
+
+def build_prompt(tokenizer: Tokenizer, num_codebooks: int, turns: list[tuple[str, Tensor]], text: str) -> Tensor:
+    """turns: (transcript, codes [num_codebooks, frames]) pairs spoken before `text`."""
+    parts = [prompt_prefix(tokenizer, num_codebooks, turns), _text(tokenizer, SPEAKER, num_codebooks),
+             _text(tokenizer, text, num_codebooks)]
+    return torch.cat(parts, dim=1)
+
+
+def chunk_prompt(tokenizer: Tokenizer, num_codebooks: int, max_seq_len: int, references: list[tuple[str, Tensor]],
+                 previous: list[tuple[str, Tensor]], chunk: str) -> Tensor:
+    """The prompt for one chunk of a long text: the references, then the chunk before it
+    (its text and codes, so the voice carries over) when that still fits, then the chunk."""
+    prompt = build_prompt(tokenizer, num_codebooks, references + previous, chunk)
+    if previous and prompt.shape[1] + 1 >= max_seq_len:
+        prompt = build_prompt(tokenizer, num_codebooks, references, chunk)
+    return prompt

@@ -28,17 +28,30 @@ from fish_sm.model.weights import read_state_dict, strip_prefix, take
 
 
 class KVCache(nn.Module):
+    """One row per sequence: row b of the batch being run is row `row + b` of the cache."""
+
     def __init__(self, batch: int, seq_len: int, n_heads: int, head_dim: int, dtype: torch.dtype, device=None):
         super().__init__()
         shape = (batch, n_heads, seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, live: int) -> tuple[Tensor, Tensor]:
-        """Write k/v at `input_pos`; return the first `live` slots (everything attendable)."""
-        self.k[:, :, input_pos] = k
-        self.v[:, :, input_pos] = v
-        return self.k[:, :, :live], self.v[:, :, :live]
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, live: int, row: int = 0) -> tuple[Tensor, Tensor]:
+        """Write k/v [B, heads, S, head_dim] at `input_pos` ([S] shared, or [B, S] per row);
+        return the first `live` slots of the B rows (everything attendable)."""
+        kc, vc = self.k[row : row + k.shape[0]], self.v[row : row + k.shape[0]]
+        if input_pos.dim() == 1:
+            kc[:, :, input_pos] = k
+            vc[:, :, input_pos] = v
+        else:
+            b = torch.arange(k.shape[0], device=k.device)[:, None]
+            kc[b, :, input_pos] = k.transpose(1, 2)
+            vc[b, :, input_pos] = v.transpose(1, 2)
+        return kc[:, :, :live], vc[:, :, :live]
+
+    def copy_row(self, dst: int, src: int, length: int) -> None:
+        self.k[dst, :, :length] = self.k[src, :, :length]
+        self.v[dst, :, :length] = self.v[src, :, :length]
 
 
 class Attention(nn.Module):
@@ -64,12 +77,19 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, live: int, mask: Tensor | None,
+               row: int = 0) -> Tensor:
         """Write k/v to the cache, attend over its first `live` slots; [B, S, heads * head_dim]."""
         bsz, _, seqlen, _ = q.shape
-        k, v = self.kv_cache.update(input_pos, k, v, live)
+        k, v = self.kv_cache.update(input_pos, k, v, live, row)
         gqa = self.n_head != self.n_local_heads
-        if mask is not None:
+        if mask is not None and seqlen == 1:
+            # One query per row: the query heads sharing a KV head become that head's "sequence",
+            # so each key and value is read once, with no copy repeating them per query head.
+            group = self.n_head // self.n_local_heads
+            y = F.scaled_dot_product_attention(q.reshape(bsz, self.n_local_heads, group, self.head_dim), k, v,
+                                               attn_mask=mask)
+        elif mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif seqlen == live:  # a prefill from position 0: plain causal attention
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -78,7 +98,7 @@ class Attention(nn.Module):
         else:  # a chunk continuing a prefix: a key is visible to a query at or after its position
             visible = torch.arange(live, device=q.device)[None, :] <= input_pos[:, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[None, None], enable_gqa=gqa)
-        return y.transpose(1, 2).reshape(bsz, seqlen, self.n_head * self.head_dim)
+        return y.reshape(bsz, self.n_head, seqlen, self.head_dim).transpose(1, 2).reshape(bsz, seqlen, -1)
 
 
 class FeedForward(nn.Module):
@@ -103,12 +123,13 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(dim, eps)
         self.ffn_norm = RMSNorm(dim, eps)
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None,
+                row: int = 0) -> Tensor:
         # A decode step runs the compiled halves (see DualARTransformer.compile_layers) when there
         # are some; the cache write and attention between them always run as they are.
         pre, post = self.compiled if self.compiled is not None and x.shape[1] == 1 else self._halves
         q, k, v = pre(self, x, rope)
-        return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask))
+        return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask, row))
 
     def _pre_attention(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.attention.project(self.attention_norm(x), rope)
@@ -151,14 +172,16 @@ class DualARTransformer(nn.Module):
         self.register_buffer("codebook_offsets", torch.arange(c.num_codebooks) * c.codebook_size, persistent=False)
         self.max_seq_len = 0
 
-    def compile_layers(self) -> None:
+    def compile_layers(self, dynamic_batch: bool = False) -> None:
         """Compile the per-layer work of a decode step around attention, once for all slow
         layers and once for all fast ones (same code, same shapes: the compiled graphs are
-        shared), so no graph depends on the attention length and compilation stays short."""
+        shared), so no graph depends on the attention length and compilation stays short.
+        `dynamic_batch`: one compilation serves every batch size (the batching engine)."""
         # One cache entry per layer shape and weight type (bf16, int8), per engine in this process.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        pre = torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=False)
-        post = torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=False)
+        dynamic = None if dynamic_batch else False  # None: specialise, then generalise what changes
+        pre = torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=dynamic)
+        post = torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=dynamic)
         for block in [*self.layers, *self.fast_layers]:
             block.compiled = (pre, post)
 
@@ -192,23 +215,25 @@ class DualARTransformer(nn.Module):
         return x
 
     def forward_slow(self, tokens: Tensor, input_pos: Tensor, live: int,
-                     key_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Run the slow transformer over `tokens` at `input_pos` (a contiguous range),
-        attending over the first `live` cache slots (at least input_pos[-1] + 1).
+                     key_pos: Tensor | None = None, row: int = 0) -> tuple[Tensor, Tensor]:
+        """Run the slow transformer over `tokens` [B, 1 + C, S] at `input_pos` — a contiguous
+        range [S] shared by the batch, or [B, S] per row — attending over the first `live`
+        cache slots (at least input_pos[-1] + 1) of cache rows row..row+B-1.
 
-        `key_pos` (arange of a bucketed length, for the compiled step) replaces `live`:
-        attention then reads that many slots, masking those after the query.
+        `key_pos` (arange of a bucketed length: the compiled step, the batching engine)
+        replaces `live`: attention then reads that many slots, masking those after each query.
         Returns the head's logits [B, semantic_vocab + 1] and the fast transformer's
         input [B, fast_dim], both for the last position only.
         """
         mask = None
         if key_pos is not None:
             live = key_pos.shape[0]
-            mask = (key_pos[None, :] <= input_pos[:, None])[None, None]
+            mask = key_pos <= input_pos[..., None]  # [S, live] or [B, S, live]
+            mask = mask[None, None] if input_pos.dim() == 1 else mask[:, None]
         x = self.embed(tokens)
         rope = self.rope[input_pos]
         for layer in self.layers:
-            x = layer(x, rope, input_pos, live, mask)
+            x = layer(x, rope, input_pos, live, mask, row)
         x = x[:, -1]
         return self.head(self.norm(x)), self.fast_project_in(x)
 

@@ -28,9 +28,10 @@ def rope_table(seq_len: int, head_dim: int, base: float) -> Tensor:
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """x: [B, S, H, D]; rope: [S, D/2, 2]. Adjacent pairs (x0, x1) rotate together, in float32."""
+    """x: [B, S, H, D]; rope: [S, D/2, 2] shared by the batch, or [B, S, D/2, 2] per row.
+    Adjacent pairs (x0, x1) rotate together, in float32."""
     xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    r = rope.view(1, xs.size(1), 1, xs.size(3), 2).float()
+    r = rope.view(-1, xs.size(1), 1, xs.size(3), 2).float()
     out = torch.stack(
         [xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1], xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]],
         dim=-1,

@@ -1,0 +1,555 @@
+"""Continuous batching: many requests share every decode step of one model.
+
+One thread runs the model. Between two decode steps it admits waiting requests into
+free KV-cache slots (a prefill each) and retires the ones that finished; each step then
+decodes one frame for every admitted request at once, so the weights read for a frame
+serve the whole batch. Requests keep everything that makes them theirs: sampling
+parameters, seed (their own random stream, drawn as the sequential engine draws it, so a
+request gives the same codes batched or alone), stop token, length, long text spoken chunk
+by chunk. A second thread turns codes into audio on its own CUDA stream, overlapping the
+decoding: pieces as frames arrive (streaming) or the whole utterance at the end.
+
+KV memory is allotted in slots, one sequence of `max_seq_len` each, as many as fit the free
+GPU memory. Active requests occupy slots 0..n-1 (a finishing request's slot is refilled
+by moving the last one into it), so a step runs the smallest captured batch size that holds
+them and its attention reads up to the longest one's bucketed length. A waiting queue
+of bounded length holds the rest; beyond it `submit` refuses at once (`Overloaded`).
+
+The prompt part made of reference voices is the same for every request that uses them:
+its KV cache is computed once and copied into a slot (`PrefixCache`), so admitting a
+request with a packaged voice prefills only its own text.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fish_sm.engine.engine import (DEFAULT_CHUNK_LENGTH, Engine, Reference, Synthesis, check_text,
+                                   request_generator)
+from fish_sm.engine.generate import (GraphedStep, HostCopy, attention_bucket, decode_frame, noise_size,
+                                     sample_frame)
+from fish_sm.engine.prompt import chunk_prompt, prompt_prefix
+from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+from fish_sm.engine.text import split_text
+from fish_sm.errors import FishSMError, InputError
+
+logger = logging.getLogger("fish_sm.batching")
+
+
+class Overloaded(FishSMError):
+    """Every slot is busy and the waiting queue is full."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request for the batching engine."""
+
+    text: str
+    references: tuple[Reference, ...] = ()
+    chunk_length: int = DEFAULT_CHUNK_LENGTH
+    params: SamplingParams = SamplingParams()
+    stream: bool = False  # audio in pieces as frames are decoded, else the whole at the end
+    first_chunk_frames: int = 4
+    chunk_frames: int = 16
+
+
+# What a ticket's sink receives, in this order: ("audio", float32 samples) any number of
+# times (once, when not streaming), then ("done", Synthesis without audio) or ("error", exc).
+Event = tuple[str, object]
+
+
+class Ticket:
+    """A submitted job: its events go to `sink` (called from the engine's threads), or,
+    without one, to a queue read by `events()`. `cancel()` frees its slot at the next step."""
+
+    def __init__(self, job: Job, sink: Callable[[Event], None] | None = None):
+        self.job = job
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        self.timings: dict[str, float] = {}
+        self._queue: queue.SimpleQueue | None = None
+        if sink is None:
+            self._queue = queue.SimpleQueue()
+            sink = self._queue.put
+        self._sink = sink
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def emit(self, kind: str, payload) -> None:
+        if not self.cancelled:
+            self._sink((kind, payload))
+
+    def events(self):
+        """Blocking iteration over the events (only without a sink)."""
+        while True:
+            kind, payload = self._queue.get()
+            yield kind, payload
+            if kind in ("done", "error"):
+                return
+
+    def result(self) -> Synthesis:
+        """Wait for the whole utterance (blocking; only without a sink)."""
+        pieces, summary = [], None
+        for kind, payload in self.events():
+            if kind == "error":
+                raise payload
+            if kind == "audio":
+                pieces.append(payload)
+            else:
+                summary = payload
+        summary.audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        return summary
+
+
+class PrefixCache:
+    """KV caches of prompt prefixes (the reference voices' part), least recently used out."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[tuple, list[tuple[Tensor, Tensor]]] = collections.OrderedDict()
+
+    def get(self, key: tuple):
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple, kv: list[tuple[Tensor, Tensor]]) -> None:
+        if self.capacity < 1:
+            return
+        self._entries[key] = kv
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+
+@dataclass
+class _Request:
+    """A ticket's state inside the engine thread."""
+
+    ticket: Ticket
+    chunks: list[str]
+    generator: torch.Generator
+    slot: int = -1
+    chunk: int = -1  # index into chunks; -1 before the first prefill
+    length: int = 0  # prompt tokens of the current chunk
+    max_new: int = 0
+    computed: int = 0  # frames of this chunk computed (queued) so far
+    finished_chunk: bool = True  # no more frames wanted from this chunk
+    codes: list[np.ndarray] = field(default_factory=list)  # this chunk's frames, [C] each
+    previous: list[tuple[str, Tensor]] = field(default_factory=list)
+    spoken: list[np.ndarray] = field(default_factory=list)  # the frames of all finished chunks
+    first_frame_at: float | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.ticket.job.params
+
+
+class BatchEngine:
+    """Iteration-level scheduling over an `Engine`'s model (which it takes over: the
+    KV cache is re-made with one row per slot)."""
+
+    def __init__(self, engine: Engine, max_batch: int = 64, max_queue: int | None = None,
+                 prefix_cache: int = 8, memory_fraction: float = 0.9):
+        self.engine, self.model = engine, engine.model
+        self.device = engine.device
+        model, c = self.model, engine.config
+        self.rows = 1 + c.num_codebooks
+        self.max_seq_len = model.max_seq_len
+        self.slots = self._fit_slots(max_batch, memory_fraction, prefix_cache)
+        model.setup_caches(self.slots, self.max_seq_len)
+        engine._step = None  # the sequential engine's graphs point at the old cache
+        self.max_queue = self.slots if max_queue is None else max_queue
+        self.batch_sizes = batch_sizes(self.slots)
+        dev = self.device
+        self.current = torch.zeros(self.slots, self.rows, dtype=torch.long, device=dev)  # each slot's last frame
+        self.history = torch.zeros(self.slots, self.rows, self.max_seq_len + PENALTY_WINDOW, dtype=torch.long, device=dev)
+        self.sampling = torch.ones(3, self.slots, 1, device=dev)  # temperature, top_p, penalty per slot
+        self.noise = torch.ones(self.slots, noise_size(model), device=dev)
+        self.window_offsets = torch.arange(PENALTY_WINDOW, device=dev)
+        self.prefixes = PrefixCache(prefix_cache)
+        self._step = None
+        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._active: list[_Request] = []  # _active[i].slot == i
+        self._lock = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._codec = CodecWorker(engine)
+        self.steps = 0
+
+    def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int) -> int:
+        """Admission control: as many sequences as the free GPU memory holds (after room for
+        the prefix cache, the captured graphs and the codec), at most `max_batch`."""
+        if self.device.type != "cuda":
+            return max_batch
+        c, dtype = self.engine.config, self.engine.model.embeddings.weight.dtype
+        per_token = 2 * c.n_layer * c.n_local_heads * c.head_dim * torch.finfo(dtype).bits // 8
+        per_slot = per_token * self.max_seq_len + self.rows * (self.max_seq_len + PENALTY_WINDOW) * 8
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = (1 - memory_fraction) * total + prefix_cache * per_token * self.max_seq_len // 4 + (2 << 30)
+        fit = int((free - reserve) // per_slot)
+        if fit < 1:
+            raise FishSMError(f"no room for a single {self.max_seq_len}-token KV cache on {self.device} "
+                              f"({free / 2**30:.1f} GiB free); lower FISH_SM_MAX_SEQ_LEN")
+        if fit < max_batch:
+            logger.info("batching: %d slots fit in %.1f GiB free (asked for %d)", fit, free / 2**30, max_batch)
+        return min(max_batch, fit)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def compile(self) -> None:
+        """Capture the decode step for every batch size and attention bucket (CUDA), now
+        rather than on a request."""
+        if self.device.type != "cuda":
+            return
+        step = GraphedStep(self.model, max_batch=self.slots)
+        t0 = time.perf_counter()
+        step.capture_all(self.batch_sizes)
+        logger.info("batching: captured %d graphs in %.1f s", len(step.graphs), time.perf_counter() - t0)
+        self._step = step
+
+    def start(self) -> "BatchEngine":
+        self._running = True
+        self._codec.start()
+        self._thread = threading.Thread(target=self._loop, name="fish-sm-batching", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._running = False
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self._codec.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- the public side ---------------------------------------------------------------
+
+    def submit(self, job: Job, sink: Callable[[Event], None] | None = None) -> Ticket:
+        """Queue a job; raises `Overloaded` at once when no slot and no queue place is free."""
+        check_text(job.text, job.chunk_length)
+        ticket = Ticket(job, sink)
+        with self._lock:
+            if not self._running:
+                raise FishSMError("the batching engine is not running")
+            if len(self._waiting) >= self.slots - len(self._active) + self.max_queue:
+                raise Overloaded(f"all {self.slots} slots are busy and {self.max_queue} requests wait already",
+                                 retry_after_s=1)
+            self._waiting.append(ticket)
+            self._lock.notify_all()
+        return ticket
+
+    def load(self) -> dict:
+        with self._lock:
+            return {"slots": self.slots, "active": len(self._active), "waiting": len(self._waiting),
+                    "max_queue": self.max_queue}
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        pending: list[tuple[_Request, int, int, int, HostCopy]] = []  # (request, chunk, frame index, row, copy)
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while self._running and not self._waiting and not self._active and not pending:
+                        self._lock.wait()
+                    if not self._running:
+                        break
+                    arrivals = self._take_waiting()
+                try:
+                    for request in arrivals:
+                        self._admit(request, pending)
+                    for request in list(self._active):
+                        if request.finished_chunk and not request.ticket.cancelled and request.chunk + 1 < len(request.chunks):
+                            self._prefill_next_chunk(request, pending)
+                    step = self._decode_step()
+                    pending = self._check(pending, step)
+                except Exception as exc:  # a failure of the shared step fails every request in it
+                    logger.exception("batching step failed")
+                    if self.device.type == "cuda" and isinstance(exc, torch.cuda.OutOfMemoryError):
+                        torch.cuda.empty_cache()
+                    for request in list(self._active):
+                        self._fail(request, exc)
+                    pending = []
+        for request in list(self._active):
+            self._fail(request, FishSMError("the server is shutting down"))
+        for ticket in self._waiting:
+            ticket.emit("error", FishSMError("the server is shutting down"))
+
+    def _take_waiting(self) -> list[_Request]:
+        """Waiting tickets moved into free slots (under the lock)."""
+        taken = []
+        while self._waiting and len(self._active) < self.slots:
+            ticket = self._waiting.popleft()
+            if ticket.cancelled:
+                continue
+            request = _Request(ticket, split_text(ticket.job.text, ticket.job.chunk_length),
+                               request_generator(self.device, ticket.job.params.seed), slot=len(self._active))
+            self._active.append(request)
+            taken.append(request)
+        return taken
+
+    def _admit(self, request: _Request, pending: list) -> None:
+        request.ticket.timings["queue"] = time.perf_counter() - request.ticket.submitted
+        p = request.params
+        self.sampling[:, request.slot] = torch.stack(p.tensors("cpu")).view(3, 1).to(self.device)
+        self._prefill_next_chunk(request, pending)
+
+    def _prefill_next_chunk(self, request: _Request, pending: list) -> None:
+        """Prefill the request's next chunk into its slot and sample that chunk's first frame."""
+        job, model, slot = request.ticket.job, self.model, request.slot
+        request.chunk += 1
+        references = [(r.text, r.codes) for r in job.references]
+        try:
+            prompt = chunk_prompt(self.engine.tokenizer, self.engine.config.num_codebooks, self.max_seq_len,
+                                  references, request.previous, request.chunks[request.chunk])
+            length = prompt.shape[1]
+            if length + 1 >= self.max_seq_len:
+                raise InputError(f"the prompt is {length} tokens; this model holds at most {self.max_seq_len - 2}")
+            logits, hidden = self._prefill(prompt, references, slot)
+        except InputError as exc:
+            self._fail(request, exc)
+            return
+        request.length, request.max_new, request.computed = length, min(request.params.max_new_tokens, self.max_seq_len - length), 1
+        request.finished_chunk, request.codes = False, []
+        self.history[slot].zero_()
+        temperature, top_p, penalty = self.sampling[:, slot : slot + 1]
+        noise = torch.empty(1, self.noise.shape[1], device=self.device).exponential_(1, generator=request.generator)
+        frame = sample_frame(model, logits, hidden, None, noise, temperature, top_p, penalty)
+        self.current[slot] = frame[0]
+        pending.append((request, request.chunk, 0, 0, HostCopy(frame)))
+
+    def _prefill(self, prompt: Tensor, references: list[tuple[str, Tensor]], slot: int) -> tuple[Tensor, Tensor]:
+        model, dev = self.model, self.device
+        length, start = prompt.shape[1], 0
+        if references:
+            key = tuple((text, hashlib.sha256(codes.numpy().tobytes()).hexdigest()) for text, codes in references)
+            kv = self.prefixes.get(key)
+            if kv is None:
+                prefix = prompt_prefix(self.engine.tokenizer, self.engine.config.num_codebooks, references)
+                n = prefix.shape[1]
+                model.forward_slow(prefix.to(dev)[None], model.positions[:n], n, row=slot)
+                kv = [(b.attention.kv_cache.k[slot, :, :n].clone(), b.attention.kv_cache.v[slot, :, :n].clone())
+                      for b in model.layers]
+                self.prefixes.put(key, kv)
+            else:
+                for block, (k, v) in zip(model.layers, kv):
+                    block.attention.kv_cache.k[slot, :, : k.shape[1]] = k
+                    block.attention.kv_cache.v[slot, :, : v.shape[1]] = v
+            start = kv[0][0].shape[1]
+        rest = prompt[:, start:].to(dev)[None]
+        return model.forward_slow(rest, model.positions[start:length], length, row=slot)
+
+    def _decode_step(self):
+        """Queue one frame for every request that still wants one; returns what `_check` needs."""
+        rows = [r for r in self._active if not r.finished_chunk and r.computed < r.max_new and not r.ticket.cancelled]
+        if not rows:
+            return None
+        n = len(self._active)
+        batch = next(b for b in self.batch_sizes if b >= n)
+        pos, index = [0] * batch, [0] * batch
+        for r in rows:
+            pos[r.slot] = r.length + r.computed - 1  # where the last frame goes
+            index[r.slot] = r.computed - 1  # which frame of the chunk it is
+            self.noise[r.slot].exponential_(1, generator=r.generator)
+        live = max(pos) + 1
+        key_pos = self.model.positions[: attention_bucket(self.max_seq_len, live)]
+        pos_index = torch.tensor([pos, index], device=self.device)
+        input_pos, frame_index = pos_index[0], pos_index[1]
+        start = (frame_index - PENALTY_WINDOW).clamp(min=0)
+        columns = (start[:, None] + self.window_offsets)[:, None, :].expand(batch, self.rows, PENALTY_WINDOW)
+        window = self.history[:batch].gather(2, columns)
+        temperature, top_p, penalty = self.sampling[:, :batch]
+        args = (self.model, self.current[:batch], input_pos, window, self.noise[:batch], temperature, top_p, penalty)
+        out = decode_frame(*args, key_pos=key_pos) if self._step is None else self._step(*args, key_pos=key_pos)
+        self.history[:batch].scatter_(2, frame_index.view(batch, 1, 1).expand(batch, self.rows, 1), out[:, :, None])
+        self.current[:batch] = out
+        self.steps += 1
+        copy = HostCopy(out)
+        for r in rows:
+            r.computed += 1
+        return [(r, r.chunk, r.computed - 1, r.slot, copy) for r in rows]
+
+    def _check(self, pending: list, step) -> list:
+        """Stop checks and delivery for frames queued earlier (while `step` runs on the GPU)."""
+        for request, chunk, index, row, copy in pending:
+            if request.chunk != chunk or request.finished_chunk or request.slot < 0:
+                continue  # the frame queued after its chunk's last one
+            if request.ticket.cancelled:
+                self._retire(request)
+                continue
+            frame = copy.get()[row].numpy()
+            if int(frame[0]) == self.model.im_end_id:
+                self._finish_chunk(request)
+                continue
+            if request.first_frame_at is None:
+                request.first_frame_at = time.perf_counter()
+            request.codes.append(frame[1:].copy())
+            if request.ticket.job.stream:
+                self._codec.frames(request.ticket, frame[1:])
+            if index + 1 >= request.max_new:
+                self._finish_chunk(request)
+        for request in [r for r in self._active if r.ticket.cancelled]:
+            self._retire(request)
+        return step or []
+
+    def _finish_chunk(self, request: _Request) -> None:
+        request.finished_chunk = True
+        text = request.chunks[request.chunk]
+        request.previous = [(text, torch.from_numpy(np.stack(request.codes, axis=1)))] if request.codes else []
+        request.spoken.extend(request.codes)
+        if request.chunk + 1 >= len(request.chunks):
+            self._complete(request)
+
+    def _complete(self, request: _Request) -> None:
+        ticket = request.ticket
+        now = time.perf_counter()
+        ticket.timings["generate"] = now - ticket.submitted - ticket.timings.get("queue", 0.0)
+        if request.first_frame_at is not None:
+            ticket.timings["first_frame"] = request.first_frame_at - ticket.submitted
+        self._codec.finish(ticket, request.spoken)
+        self._retire(request)
+
+    def _fail(self, request: _Request, exc: Exception) -> None:
+        request.ticket.emit("error", exc)
+        self._retire(request)
+
+    def _retire(self, request: _Request) -> None:
+        """Free the request's slot; the last active request moves into it."""
+        if request.slot < 0:
+            return
+        slot, last = request.slot, self._active[-1]
+        request.slot, request.finished_chunk = -1, True
+        self._active.pop()
+        if last is not request:
+            self._move(last, slot)
+            self._active[slot] = last
+        if request.ticket.cancelled:
+            self._codec.cancel(request.ticket)
+        with self._lock:
+            self._lock.notify_all()
+
+    def _move(self, request: _Request, slot: int) -> None:
+        src = request.slot
+        live = request.length + request.computed
+        for block in self.model.layers:
+            block.attention.kv_cache.copy_row(slot, src, live)
+        self.history[slot] = self.history[src]
+        self.current[slot] = self.current[src]
+        self.sampling[:, slot] = self.sampling[:, src]
+        request.slot = slot
+
+
+def batch_sizes(slots: int) -> list[int]:
+    """The batch sizes a step runs at: powers of two up to `slots`, and `slots`."""
+    sizes = [1 << i for i in range(int(math.log2(slots)) + 1)]
+    return sorted({*sizes, slots})
+
+
+class CodecWorker:
+    """Codes to audio on a thread (and CUDA stream) of its own, in the order they come:
+    a streaming decoder per streamed request, one whole decode per other request."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._decoders: dict[int, tuple] = {}
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="fish-sm-codec", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+
+    def frames(self, ticket: Ticket, codes: np.ndarray) -> None:
+        self._queue.put(("frame", ticket, codes))
+
+    def finish(self, ticket: Ticket, codes: list[np.ndarray]) -> None:
+        self._queue.put(("finish", ticket, codes))
+
+    def cancel(self, ticket: Ticket) -> None:
+        self._queue.put(("cancel", ticket, None))
+
+    def _run(self) -> None:
+        stream = torch.cuda.Stream(self.engine.device) if self.engine.device.type == "cuda" else None
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while (item := self._queue.get()) is not None:
+                kind, ticket, codes = item
+                try:
+                    self._handle(kind, ticket, codes)
+                except Exception as exc:
+                    logger.exception("codec failed")
+                    self._decoders.pop(id(ticket), None)
+                    ticket.emit("error", exc)
+
+    def _handle(self, kind: str, ticket: Ticket, codes) -> None:
+        job, key = ticket.job, id(ticket)
+        if kind == "cancel":
+            self._decoders.pop(key, None)
+            return
+        if kind == "frame":
+            decoder, buffered, sent = self._decoders.get(key) or (self.engine.codec.streaming_decoder(1), [], 0)
+            buffered.append(codes)
+            want = job.first_chunk_frames if sent == 0 else job.chunk_frames
+            if len(buffered) >= want:
+                self._emit_stream(ticket, decoder, buffered)
+                buffered, sent = [], sent + 1
+            self._decoders[key] = (decoder, buffered, sent)
+            return
+        t0 = time.perf_counter()
+        if job.stream:
+            decoder, buffered, _ = self._decoders.pop(key, (None, [], 0))
+            if buffered:
+                self._emit_stream(ticket, decoder, buffered)
+        else:
+            audio = self._decode_all(codes)
+            ticket.emit("audio", audio)
+        ticket.timings["decode"] = time.perf_counter() - t0
+        ticket.timings["total"] = time.perf_counter() - ticket.submitted
+        frames = len(codes)
+        seconds = frames * self.engine.frame_length / self.engine.sample_rate
+        stacked = torch.from_numpy(np.stack(codes, axis=1)) if codes else torch.zeros(self.engine.config.num_codebooks, 0, dtype=torch.long)
+        ticket.emit("done", Synthesis(audio=None, sample_rate=self.engine.sample_rate, frames=frames, seconds=seconds,
+                                      rtf=ticket.timings["total"] / seconds if seconds else float("inf"),
+                                      timings=dict(ticket.timings), codes=stacked))
+
+    def _emit_stream(self, ticket: Ticket, decoder, buffered: list[np.ndarray]) -> None:
+        codes = torch.from_numpy(np.stack(buffered, axis=1))[None].to(self.engine.device)
+        audio = decoder.push(codes)[0].float().cpu().numpy()
+        if "first_audio" not in ticket.timings:
+            ticket.timings["first_audio"] = time.perf_counter() - ticket.submitted
+        ticket.emit("audio", audio)
+
+    def _decode_all(self, codes: list[np.ndarray]) -> np.ndarray:
+        if not codes:
+            return np.zeros(0, np.float32)
+        stacked = torch.from_numpy(np.stack(codes, axis=1))[None].to(self.engine.device)
+        return self.engine.codec.decode(stacked)[0].float().cpu().numpy()

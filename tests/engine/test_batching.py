@@ -1,0 +1,127 @@
+"""The batching engine against the sequential one (CPU, float32, tiny checkpoint)."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from fish_sm.engine import Engine
+from fish_sm.engine.batching import BatchEngine, Job, Overloaded, batch_sizes
+from fish_sm.engine.sampling import SamplingParams
+
+TEXTS = [
+    "Hello there.",
+    "A somewhat longer sentence, so that more frames come out of it. Then a second sentence follows.",
+    "Short.",
+    "One more test sentence here!",
+]
+
+
+def stopping(engine: Engine) -> Engine:
+    """Make <|im_end|> likely enough that requests stop on their own at different frames
+    (random weights almost never choose it)."""
+    with torch.no_grad():
+        engine.model.head.weight[-1] *= 8
+    return engine
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_checkpoint):
+    return stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def voices(solo, tone):
+    return [solo.encode_reference((tone(1.0, 44100)[:, 0], 44100), "a reference voice"),
+            solo.encode_reference((tone(0.7, 44100, freq=330.0)[:, 0], 44100), "another voice")]
+
+
+def mixed_jobs(voices) -> list[Job]:
+    jobs = []
+    for i in range(10):
+        jobs.append(Job(TEXTS[i % 4], references=() if i % 3 == 0 else (voices[i % 2],),
+                        chunk_length=60 if i % 4 == 1 else 200,
+                        params=SamplingParams(seed=i, max_new_tokens=20 + 7 * i, temperature=0.6 + 0.04 * i,
+                                              top_p=0.7 + 0.03 * i, repetition_penalty=1.0 + 0.05 * i)))
+    return jobs
+
+
+def run_alone(engine: Engine, job: Job):
+    p = job.params
+    return engine.synthesize(job.text, reference=list(job.references), chunk_length=job.chunk_length,
+                             temperature=p.temperature, top_p=p.top_p, repetition_penalty=p.repetition_penalty,
+                             max_new_tokens=p.max_new_tokens, seed=p.seed)
+
+
+def test_concurrent_requests_match_each_run_alone(tiny_checkpoint, solo, voices):
+    jobs = mixed_jobs(voices)
+    alone = [run_alone(solo, job) for job in jobs]
+    batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=8)
+    with batcher:
+        tickets = [batcher.submit(job) for job in jobs]  # ten jobs, eight slots: two wait for a free one
+        batched = [t.result() for t in tickets]
+    lengths = {r.frames for r in alone}
+    assert len(lengths) > 5, "the jobs should end at different frames"
+    assert any(r.frames < j.params.max_new_tokens for r, j in zip(alone, jobs)), "some should stop on <|im_end|>"
+    for job, a, b in zip(jobs, alone, batched):
+        assert torch.equal(a.codes, b.codes), job
+        np.testing.assert_allclose(b.audio, a.audio, atol=1e-5)
+    # Every step ran several requests at once: far fewer steps than frames.
+    assert batcher.steps < 0.5 * sum(r.frames for r in alone)
+
+
+def test_streamed_pieces_concatenate_to_the_whole(tiny_checkpoint, voices):
+    batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
+    job = Job(TEXTS[1], references=(voices[0],), chunk_length=60, params=SamplingParams(seed=3, max_new_tokens=60))
+    with batcher:
+        whole = batcher.submit(job).result()
+        ticket = batcher.submit(Job(**{**job.__dict__, "stream": True, "first_chunk_frames": 2, "chunk_frames": 5}))
+        pieces = [p for kind, p in ticket.events() if kind == "audio"]
+    assert len(pieces) > 3
+    assert len(pieces[0]) == 2 * batcher.engine.frame_length
+    np.testing.assert_allclose(np.concatenate(pieces), whole.audio, atol=1e-4)
+
+
+def test_overload_is_refused_at_once_and_cancel_frees_the_slot(tiny_checkpoint):
+    batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=1, max_queue=1)
+    long_job = Job("A long utterance that keeps its slot busy.", params=SamplingParams(seed=0, max_new_tokens=2000))
+    with batcher:
+        first = batcher.submit(long_job)
+        _wait(lambda: batcher.load()["active"] == 1)
+        queued = batcher.submit(long_job)  # the one queue place
+        t0 = time.perf_counter()
+        with pytest.raises(Overloaded):
+            batcher.submit(long_job)
+        assert time.perf_counter() - t0 < 0.5
+        first.cancel()  # as a client disconnecting does
+        _wait(lambda: batcher.load() == {"slots": 1, "active": 1, "waiting": 0, "max_queue": 1})
+        queued.cancel()
+        _wait(lambda: batcher.load()["active"] == 0)
+        done = batcher.submit(Job("Now it is free.", params=SamplingParams(seed=1, max_new_tokens=8))).result()
+    assert done.frames == 8
+
+
+def test_bad_jobs_fail_alone(tiny_checkpoint):
+    batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu", max_seq_len=64), max_batch=2)
+    with batcher:
+        with pytest.raises(Exception, match="non-empty"):
+            batcher.submit(Job("   "))
+        too_long = batcher.submit(Job("word " * 200, chunk_length=1000, params=SamplingParams(seed=0)))
+        fine = batcher.submit(Job("Fine.", params=SamplingParams(seed=0, max_new_tokens=5)))
+        with pytest.raises(Exception, match="prompt is"):
+            too_long.result()
+        assert fine.result().frames == 5
+
+
+def test_batch_sizes():
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def _wait(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
