@@ -50,3 +50,30 @@ def test_bad_input_is_one_line_and_non_zero(tmp_path, tiny_checkpoint):
         assert result.exit_code != 0, args
         assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
         assert result.output.strip().splitlines()[-1].startswith("Error"), result.output
+
+
+def test_stream_refuses_what_cannot_stream_in_one_line(tmp_path):
+    """Checked before anything is sent (nothing listens on port 9): exit 1, one 'Error:' line."""
+    url = ["--url", "http://127.0.0.1:9"]
+    cases = [
+        (["invoke", *url, "--text", "Hi.", "--stream", "-o", str(tmp_path / "a.flac")], "flac cannot be written"),
+        (["invoke", *url, "--text", "Hi.", "--stream", "--format", "ogg"], "ogg cannot be written"),
+        (["invoke", *url, "--text", "Hi.", "--stream", "--format", "mp3"], "--stream sends wav or pcm"),
+        (["invoke", *url, "--text", "Hi.", "--stream", "--sample-rate", "16000"], "--sample-rate cannot be combined"),
+        (["invoke", "some-endpoint", "--text", "Hi.", "--stream", "--async"], "cannot be combined with --async"),
+        (["bench", *url, "--stream", "--format", "flac", "-o", str(tmp_path / "b")], "--stream sends wav or pcm"),
+    ]
+    for args, expected in cases:
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and "Traceback" not in result.output, (args, result.output)
+        line, = result.output.strip().splitlines()
+        assert line.startswith("Error: ") and expected in line, (args, line)
+    assert not (tmp_path / "a.flac").exists() and not (tmp_path / "b").exists()
+
+
+def test_stream_and_pcm_are_offered():
+    for command in ("invoke", "bench"):
+        result = CliRunner().invoke(main, [command, "--help"])
+        assert result.exit_code == 0 and "--stream" in result.output and "pcm" in result.output
+    result = CliRunner().invoke(main, ["deploy", "--help"])
+    assert "75% of its batch slots" in " ".join(result.output.split())

@@ -3,7 +3,10 @@
 Each concurrency level runs its requests through a pool of that many threads (each thread
 sends its next request when the last one is answered), so the level measures what that many
 simultaneous users see. Figures: latency percentiles, requests per second, audio seconds
-produced per wall second (the capacity figure for TTS), real-time factor, errors by kind.
+produced per wall second (the capacity figure for TTS), real-time factor, errors by kind,
+and requests the server rejected because it was full (503 with Retry-After: counted, not
+retried, as a client that gives up would see it). With streaming, also the time to the
+first audio byte, which is what a listener waits for.
 Reports: a terminal table, JSON, and HTML with matplotlib plots embedded as PNG data URIs.
 """
 
@@ -27,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from fish_sm.aws import AWSError
-from fish_sm.aws.invoke import ServiceError, ping
+from fish_sm.aws.invoke import STREAM_FORMATS, ServiceError, ping
 from fish_sm.errors import InputError
 
 # Varied lengths on purpose: TTS latency grows with the audio produced, so a benchmark of one
@@ -95,6 +98,7 @@ class Sample:
     audio_seconds: float | None
     text_chars: int
     error: str | None = None
+    first_audio_s: float | None = None  # streamed requests: time to the first audio byte
 
 
 def _one(target, request: dict, accept: str, concurrency: int, index: int, t0: float) -> Sample:
@@ -107,7 +111,8 @@ def _one(target, request: dict, accept: str, concurrency: int, index: int, t0: f
     except Exception as exc:  # anything else still counts, by its type, rather than killing the run
         return Sample(concurrency, index, start - t0, time.perf_counter() - start, False, type(exc).__name__, None,
                       chars, str(exc))
-    return Sample(concurrency, index, start - t0, response.latency_s, True, "ok", response.audio_seconds, chars)
+    return Sample(concurrency, index, start - t0, response.latency_s, True, "ok", response.audio_seconds, chars,
+                  first_audio_s=response.first_audio_s)
 
 
 def run_level(target, requests: list[dict], concurrency: int,
@@ -124,13 +129,17 @@ def _pct(values, q) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
+REJECTED = "rejected"  # the kind of a 503 with Retry-After: the server was full
+
+
 def summarize(samples: list[Sample], wall_s: float, concurrency: int) -> dict:
-    """Figures for one level; latency and RTF over successful requests only."""
+    """Figures for one level; latency, first audio and RTF over successful requests only."""
     ok = [s for s in samples if s.ok]
     lat = np.array([s.latency_s for s in ok])
+    first = np.array([s.first_audio_s for s in ok if s.first_audio_s is not None]) * 1000
     audio = [s.audio_seconds for s in ok if s.audio_seconds is not None]
     rtf = np.array([s.latency_s / s.audio_seconds for s in ok if s.audio_seconds])
-    errors = Counter(s.kind for s in samples if not s.ok)
+    errors = Counter(s.kind for s in samples if not s.ok and s.kind != REJECTED)
     examples = {}
     for s in samples:
         if not s.ok and s.kind not in examples:
@@ -140,6 +149,7 @@ def summarize(samples: list[Sample], wall_s: float, concurrency: int) -> dict:
         "concurrency": concurrency,
         "requests": len(samples),
         "ok": len(ok),
+        "rejected": sum(1 for s in samples if not s.ok and s.kind == REJECTED),
         "errors": dict(sorted(errors.items())),
         "error_examples": examples,
         "wall_s": wall_s,
@@ -150,17 +160,27 @@ def summarize(samples: list[Sample], wall_s: float, concurrency: int) -> dict:
                       "mean": float(lat.mean()) if len(lat) else None,
                       "min": float(lat.min()) if len(lat) else None,
                       "max": float(lat.max()) if len(lat) else None},
+        "first_audio_ms": {"p50": _pct(first, 50), "p95": _pct(first, 95),
+                           "mean": float(first.mean()) if len(first) else None},
         "rtf": {"p50": _pct(rtf, 50), "p95": _pct(rtf, 95), "mean": float(rtf.mean()) if len(rtf) else None},
     }
 
 
 def run_bench(target, *, concurrencies: list[int], requests_per_level: int, texts: list[dict],
-              base: dict | None = None, accept: str = "audio/wav", warmup: int = 1,
+              base: dict | None = None, accept: str = "audio/wav", warmup: int = 1, stream: bool = False,
               log=lambda s: None) -> dict:
-    """The whole benchmark: warm-up, then each level in turn; returns the report as plain data."""
+    """The whole benchmark: warm-up, then each level in turn; returns the report as plain data.
+
+    stream: every request asks for a streamed answer, and each sample records its first audio.
+    """
     if requests_per_level < 1:
         raise InputError(f"--requests must be at least 1, got {requests_per_level}")
-    base = base or {}
+    base = dict(base or {})
+    if stream:
+        fmt = base.get("format", "wav")
+        if fmt not in STREAM_FORMATS:
+            raise InputError(f"--stream sends {' or '.join(STREAM_FORMATS)}, not {fmt}")
+        base["stream"] = True
     requests = [{**base, **texts[i % len(texts)]} for i in range(requests_per_level)]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for i in range(warmup):  # first requests pay for lazy loading and compilation: not measured
@@ -172,12 +192,15 @@ def run_bench(target, *, concurrencies: list[int], requests_per_level: int, text
         summary = summarize(level_samples, wall, c)
         levels.append(summary)
         samples.extend(level_samples)
-        lat = summary["latency_s"]["p50"]
+        lat, first = summary["latency_s"]["p50"], summary["first_audio_ms"]["p50"]
         log(f"concurrency {c}: {summary['ok']}/{summary['requests']} ok in {wall:.1f} s"
-            + (f", p50 {lat:.2f} s" if lat is not None else ""))
+            + (f", p50 {lat:.2f} s" if lat is not None else "")
+            + (f", first audio p50 {first:.0f} ms" if first is not None else "")
+            + (f", {summary['rejected']} rejected (server full)" if summary["rejected"] else ""))
     return {
-        "target": str(target), "started": started, "accept": accept, "requests_per_level": requests_per_level,
-        "texts": len(texts), "warmup": warmup, "levels": levels, "samples": [asdict(s) for s in samples],
+        "target": str(target), "started": started, "accept": accept, "stream": stream,
+        "requests_per_level": requests_per_level, "texts": len(texts), "warmup": warmup, "levels": levels,
+        "samples": [asdict(s) for s in samples],
     }
 
 
@@ -185,7 +208,14 @@ def _fmt(v, spec=".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-TABLE_COLUMNS = ["conc", "ok/n", "p50 s", "p95 s", "p99 s", "req/s", "audio s/s", "RTF p50", "errors"]
+TABLE_COLUMNS = ["conc", "ok/n", "p50 s", "p95 s", "p99 s", "req/s", "audio s/s", "RTF p50", "rejected", "errors"]
+FIRST_AUDIO_COLUMNS = ["1st p50 ms", "1st p95 ms"]  # streamed runs: after the latency percentiles
+
+
+def table_columns(report: dict) -> list[str]:
+    if not report.get("stream"):
+        return TABLE_COLUMNS
+    return TABLE_COLUMNS[:5] + FIRST_AUDIO_COLUMNS + TABLE_COLUMNS[5:]
 
 
 def table_rows(report: dict) -> list[list[str]]:
@@ -193,16 +223,21 @@ def table_rows(report: dict) -> list[list[str]]:
     for lv in report["levels"]:
         lat = lv["latency_s"]
         errors = ", ".join(f"{k}: {n}" for k, n in lv["errors"].items()) or "-"
-        rows.append([str(lv["concurrency"]), f"{lv['ok']}/{lv['requests']}", _fmt(lat["p50"]), _fmt(lat["p95"]),
-                     _fmt(lat["p99"]), _fmt(lv["rps"]), _fmt(lv["audio_seconds_per_wall_second"]),
-                     _fmt(lv["rtf"]["p50"], ".3f"), errors])
+        first = lv.get("first_audio_ms") or {}
+        row = [str(lv["concurrency"]), f"{lv['ok']}/{lv['requests']}", _fmt(lat["p50"]), _fmt(lat["p95"]),
+               _fmt(lat["p99"]), _fmt(lv["rps"]), _fmt(lv["audio_seconds_per_wall_second"]),
+               _fmt(lv["rtf"]["p50"], ".3f"), str(lv.get("rejected", 0)), errors]
+        if report.get("stream"):
+            row[5:5] = [_fmt(first.get("p50"), ".0f"), _fmt(first.get("p95"), ".0f")]
+        rows.append(row)
     return rows
 
 
 def format_table(report: dict) -> str:
     """The summary as a fixed-width text table for the terminal."""
-    rows = [TABLE_COLUMNS] + table_rows(report)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(TABLE_COLUMNS))]
+    columns = table_columns(report)
+    rows = [columns] + table_rows(report)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.rjust(w) if i < len(widths) - 1 else cell for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -223,7 +258,8 @@ def _png(fig) -> str:
 
 
 def plots(report: dict) -> dict[str, str]:
-    """title -> PNG data URI: latency per concurrency, throughput vs concurrency, latency vs audio length."""
+    """title -> PNG data URI: latency per concurrency, throughput vs concurrency, latency vs audio length,
+    and for streamed runs the time to first audio vs concurrency."""
     try:
         import matplotlib
     except ImportError:
@@ -279,6 +315,22 @@ def plots(report: dict) -> dict[str, str]:
         ax.legend()
     out["Latency against audio length"] = _png(fig)
     plt.close(fig)
+
+    if report.get("stream"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for q, style in (("p95", "o-"), ("p50", "s--")):
+            values = [lv["first_audio_ms"][q] for lv in levels]
+            ax.plot(conc, [np.nan if v is None else v for v in values], style, label=f"first audio {q}")
+        if len(conc) > 1 and max(conc) / min(conc) >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("time to first audio (ms)")
+        ax.set_title("Time to first audio against concurrency")
+        ax.legend()
+        out["Time to first audio against concurrency"] = _png(fig)
+        plt.close(fig)
     return out
 
 
@@ -286,20 +338,22 @@ def write_html(report: dict, path: Path) -> Path:
     """A self-contained page: the table, the plots as <img> data URIs, and the error examples."""
     images = plots(report)
     esc = html.escape
-    head = "".join(f"<th>{esc(c)}</th>" for c in TABLE_COLUMNS)
+    head = "".join(f"<th>{esc(c)}</th>" for c in table_columns(report))
     body = "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in table_rows(report))
     figs = "".join(f'<h2>{esc(t)}</h2>\n<img alt="{esc(t)}" src="{uri}">\n' for t, uri in images.items())
     errors = "".join(f"<li>concurrency {lv['concurrency']}, {esc(kind)}: {esc(str(msg))}</li>"
                      for lv in report["levels"] for kind, msg in lv["error_examples"].items())
+    streamed = (", streamed: 1st p50/p95 ms is the time to the first audio byte"
+                if report.get("stream") else "")
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>fish-sm bench: {esc(report['target'])}</title>
 <style>body{{font-family:sans-serif;max-width:960px;margin:2em auto}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:100%}}</style></head>
 <body><h1>fish-sm bench</h1>
 <p>Target: {esc(report['target'])}<br>Started: {esc(report['started'])} UTC<br>
-{report['requests_per_level']} requests per level over {report['texts']} texts, {report['warmup']} warm-up, Accept {esc(report['accept'])}</p>
+{report['requests_per_level']} requests per level over {report['texts']} texts, {report['warmup']} warm-up, Accept {esc(report['accept'])}{streamed}</p>
 <table><tr>{head}</tr>{body}</table>
-{figs}<h2>Errors</h2><ul>{errors or '<li>none</li>'}</ul>
+{figs}<h2>Errors and rejections</h2><ul>{errors or '<li>none</li>'}</ul>
 </body></html>
 """
     path = Path(path)

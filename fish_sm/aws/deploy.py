@@ -163,18 +163,81 @@ class Autoscaling:
     max: int
     target: float
     metric: str  # concurrency | invocations | backlog
+    reason: str = ""  # why this target: --target, or how the default was worked out
 
     @property
     def scale_to_zero(self) -> bool:
         return self.min == 0
 
 
+# Defaults for servers that answer one request at a time per GPU worker (the multi-model
+# server, the stock container's TorchServe), and for the metrics that do not follow slots.
 DEFAULT_TARGETS = {"concurrency": 2.0, "invocations": 60.0, "backlog": 2.0}
+METRIC_UNITS = {"concurrency": "concurrent requests per instance", "invocations": "invocations per instance a minute",
+                "backlog": "queued requests per instance"}
+# The batching server decodes up to FISH_SM_MAX_BATCH requests together on each GPU. Scaling
+# out at 75% of those slots leaves room for a burst while new instances start (minutes),
+# before requests queue and, past FISH_SM_MAX_QUEUE, get 503.
+BATCH_TARGET_SHARE = 0.75
+DEFAULT_MAX_BATCH = 64  # FISH_SM_MAX_BATCH's default in fish_sm.serving.settings (not imported: no torch here)
+
+
+def server_kind(env: dict[str, str], *, stock_container: bool) -> str:
+    """What answers requests on the endpoint: 'mms' (one request per GPU worker) or 'batching'."""
+    if stock_container or env.get("FISH_SM_SERVER", "").strip().lower() == "mms":
+        return "mms"
+    return "batching"
+
+
+def _max_batch(env: dict[str, str]) -> int:
+    raw = env.get("FISH_SM_MAX_BATCH")
+    if raw is None:
+        return DEFAULT_MAX_BATCH
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InputError(f"--env FISH_SM_MAX_BATCH={raw!r} must be a whole number of at least 1")
+    return value
+
+
+def default_target(metric: str, *, instance_type: str, env: dict[str, str] | None = None,
+                   stock_container: bool = False) -> tuple[float, str]:
+    """The target value when --target is not given, and a short reason to print.
+
+    Concurrency on our image: 75% of the batch slots (FISH_SM_MAX_BATCH x GPUs). On the
+    multi-model server, and for invocations a minute (which depend on how long the texts
+    are, so slots say little about them) or async backlog: the fixed DEFAULT_TARGETS.
+    """
+    env = env or {}
+    server = server_kind(env, stock_container=stock_container)
+    if metric == "concurrency" and server == "batching":
+        max_batch = _max_batch(env)
+        gpus, known = gpu_count(instance_type)
+        value = max_batch * gpus * BATCH_TARGET_SHARE
+        return value, (f"{BATCH_TARGET_SHARE:.0%} of the batching server's {max_batch * gpus} slots: "
+                       f"{gpus} GPU{'s' if gpus > 1 else ''} x FISH_SM_MAX_BATCH {max_batch}"
+                       + ("" if known else f"; {instance_type} is not in fish-sm's GPU table, counted as 1 GPU"))
+    if metric == "concurrency":
+        why = ("the multi-model server (--stock-container, FISH_SM_SERVER=mms) answers one request at a time "
+               "per GPU worker")
+    elif metric == "invocations":
+        why = ("fish-sm's default; invocations a minute depend on text length: set --target from "
+               "`fish-sm bench` req/s x 60")
+    else:
+        why = "fish-sm's default for asynchronous endpoints"
+    return DEFAULT_TARGETS[metric], why
 
 
 def make_autoscaling(*, instances: int, min_instances: int | None, max_instances: int | None,
-                     target: float | None, metric: str, is_async: bool, scale_to_zero: bool) -> Autoscaling | None:
-    """Check the autoscaling options together; None when none were asked for."""
+                     target: float | None, metric: str, is_async: bool, scale_to_zero: bool,
+                     instance_type: str, env: dict[str, str] | None = None,
+                     stock_container: bool = False) -> Autoscaling | None:
+    """Check the autoscaling options together; None when none were asked for.
+
+    instance_type, env and stock_container pick the default target (see default_target).
+    """
     if max_instances is None:
         if scale_to_zero:
             max_instances = max(instances, 1)
@@ -197,10 +260,13 @@ def make_autoscaling(*, instances: int, min_instances: int | None, max_instances
         metric = "backlog"
     elif metric == "backlog":
         raise InputError("the backlog metric is for --async endpoints")
-    value = DEFAULT_TARGETS[metric] if target is None else float(target)
+    if target is None:
+        value, reason = default_target(metric, instance_type=instance_type, env=env, stock_container=stock_container)
+    else:
+        value, reason = float(target), "given with --target"
     if value <= 0:
         raise InputError(f"--target must be positive, got {target}")
-    return Autoscaling(lo, max_instances, value, metric)
+    return Autoscaling(lo, max_instances, value, metric, reason)
 
 
 @dataclass
@@ -370,6 +436,9 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
     req.validate()
     if req.autoscaling is not None and not wait:
         raise InputError("autoscaling can only be attached once the endpoint is InService: leave out --no-wait")
+    if req.autoscaling is not None:
+        sc = req.autoscaling
+        log(f"autoscaling target: {sc.target:g} {METRIC_UNITS[sc.metric]}" + (f" ({sc.reason})" if sc.reason else ""))
     sm = aws.sagemaker
     existing = describe_endpoint(aws, req.name)
     if existing is not None and existing["EndpointStatus"] != "InService":
@@ -539,10 +608,7 @@ def apply_autoscaling(aws: AWS, name: str, scaling: Autoscaling | None) -> list[
     done.append(f"autoscaling {name}: {scaling.min}-{scaling.max} instances")
     policy = policy_request(name, scaling)
     aa.put_scaling_policy(**policy)
-    done.append(f"policy {policy['PolicyName']}: target {scaling.target:g} "
-                + {"concurrency": "concurrent requests per instance",
-                   "invocations": "invocations per instance a minute",
-                   "backlog": "queued requests per instance"}[scaling.metric])
+    done.append(f"policy {policy['PolicyName']}: target {scaling.target:g} {METRIC_UNITS[scaling.metric]}")
     wanted = {policy["PolicyName"]}
     if scaling.scale_to_zero:
         arn = aa.put_scaling_policy(**wake_policy_request(name))["PolicyARN"]

@@ -108,9 +108,15 @@ def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, co
 @click.option("--instances", type=int, default=1, show_default=True, help="Instances to start with.")
 @click.option("--min", "min_instances", type=int, help="Autoscaling minimum (default: --instances).")
 @click.option("--max", "max_instances", type=int, help="Autoscaling maximum; turns autoscaling on.")
-@click.option("--target", type=float, help="Target value of the scaling metric per instance.")
+@click.option("--target", type=float,
+              help="Target value of the scaling metric per instance. Default for concurrency: on fish-sm's image "
+                   "(the batching server) 75% of its batch slots, FISH_SM_MAX_BATCH (64 unless --env) x the "
+                   "instance's GPUs, e.g. 192 on ml.g5.12xlarge; with --stock-container or --env FISH_SM_SERVER=mms, "
+                   "2. Invocations: 60 a minute for every server (it depends on text length: measure req/s with "
+                   "`fish-sm bench` and pass --target). Async backlog: 2.")
 @click.option("--metric", type=click.Choice(["concurrency", "invocations"]), default="concurrency", show_default=True,
-              help="Real-time scaling metric: concurrent requests (high resolution) or invocations a minute.")
+              help="Real-time scaling metric: concurrent requests (high resolution; follows the server's slots) or "
+                   "invocations a minute.")
 @click.option("--async", "is_async", is_flag=True, help="Asynchronous inference: requests and results in S3.")
 @click.option("--output", "async_output", metavar="s3://...", help="Async: where results go.")
 @click.option("--failure", "async_failure", metavar="s3://...", help="Async: where errors go (default: OUTPUT-failures/).")
@@ -157,12 +163,13 @@ def deploy(name, model_data, role, image, stock_container, instance_type, instan
         async_options = d.make_async(parse_s3_uri(async_output, what="--output", prefix=True),
                                      parse_s3_uri(async_failure, what="--failure", prefix=True) if async_failure else None,
                                      sns_success, sns_error, max_concurrent)
+    env = d.parse_env(env_pairs)
     request = d.DeployRequest(
         name=name, model_data=parse_s3_uri(model_data, what="--model-data", prefix=False), role=role,
-        instance_type=instance_type, image=image, stock_container=stock_container, instances=instances,
-        env=d.parse_env(env_pairs),
+        instance_type=instance_type, image=image, stock_container=stock_container, instances=instances, env=env,
         autoscaling=d.make_autoscaling(instances=instances, min_instances=min_instances, max_instances=max_instances,
-                                       target=target, metric=metric, is_async=is_async, scale_to_zero=scale_to_zero),
+                                       target=target, metric=metric, is_async=is_async, scale_to_zero=scale_to_zero,
+                                       instance_type=instance_type, env=env, stock_container=stock_container),
         async_options=async_options, startup_timeout=startup_timeout, download_timeout=download_timeout,
         bake_seconds=bake, rollback_errors=rollback_errors)
     result = d.deploy(_aws(region, profile, endpoint_url), request, wait=wait, poll_s=poll, log=click.echo)
@@ -198,10 +205,13 @@ def _one_target(*choices: tuple[str, object]) -> None:
 @click.option("--reference", metavar="AUDIO|s3://...", help="Reference audio of the voice to imitate.")
 @click.option("--reference-text", help="Transcript of --reference.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("out.wav"),
-              show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["wav", "flac", "ogg", "mp3"]),
-              help="Audio format (default: from the output's extension).")
+              show_default=True, help="Where the audio goes; .pcm and .raw get bare 16-bit PCM.")
+@click.option("--format", "fmt", type=click.Choice(["wav", "flac", "ogg", "mp3", "pcm"]),
+              help="Audio format (default: from the output's extension); pcm is bare 16-bit little-endian mono.")
 @_sampling_options
+@click.option("--stream", is_flag=True,
+              help="Have the audio streamed as it is made (batching server; wav or pcm): prints the time to the "
+                   "first audio byte. Endpoints are called with InvokeEndpointWithResponseStream.")
 @click.option("--async", "is_async", is_flag=True, help="Use the endpoint's asynchronous inference.")
 @click.option("--input-location", metavar="s3://...", help="Async: where to upload the request "
               "(default: fish-sm/async-inputs/ in the output bucket).")
@@ -210,8 +220,8 @@ def _one_target(*choices: tuple[str, object]) -> None:
 @aws_options
 @friendly_errors
 def invoke(name, url, text, voice, reference, reference_text, output, fmt, seed, temperature, top_p,
-           repetition_penalty, max_new_tokens, chunk_length, sample_rate, is_async, input_location, timeout, poll,
-           region, profile, endpoint_url):
+           repetition_penalty, max_new_tokens, chunk_length, sample_rate, stream, is_async, input_location, timeout,
+           poll, region, profile, endpoint_url):
     """Synthesize TEXT on endpoint NAME (or --url) and write the audio."""
     from fish_sm.aws import invoke as inv
     from fish_sm.aws.s3 import parse_s3_uri
@@ -220,9 +230,12 @@ def invoke(name, url, text, voice, reference, reference_text, output, fmt, seed,
     if is_async and url:
         raise click.UsageError("--async is for SageMaker endpoints, not --url")
     fmt = inv.format_for(output, fmt)
+    if stream:
+        inv.check_stream(fmt, is_async=is_async, sample_rate=sample_rate)
     request = inv.build_request(text, voice=voice, reference=reference, reference_text=reference_text, fmt=fmt,
-                                seed=seed, temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
-                                max_new_tokens=max_new_tokens, chunk_length=chunk_length, sample_rate=sample_rate)
+                                stream=stream, seed=seed, temperature=temperature, top_p=top_p,
+                                repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
+                                chunk_length=chunk_length, sample_rate=sample_rate)
     accept = inv.ACCEPT[fmt]
     if url:
         response = inv.UrlTarget(url, timeout_s=timeout).send(request, accept)
@@ -235,8 +248,14 @@ def invoke(name, url, text, voice, reference, reference_text, output, fmt, seed,
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(response.body)
     seconds = response.audio_seconds
+    if stream:
+        first = response.first_audio_s
+        timing = (f"first audio after {first:.3f} s" if first is not None else "no audio arrived") + \
+            f", complete after {response.latency_s:.2f} s"
+    else:
+        timing = f"answered in {response.latency_s:.2f} s"
     click.echo(f"wrote {output}: " + (f"{seconds:.2f} s of audio, " if seconds is not None else "")
-               + f"{_human(len(response.body))} {response.content_type}, answered in {response.latency_s:.2f} s")
+               + f"{_human(len(response.body))} {response.content_type}, {timing}")
 
 
 # --- bench --------------------------------------------------------------------------------
@@ -251,7 +270,11 @@ def invoke(name, url, text, voice, reference, reference_text, output, fmt, seed,
 @click.option("--texts", type=click.Path(dir_okay=False, path_type=Path),
               help="One text (or JSON request) per line; default: a built-in set of varied length.")
 @click.option("--voice", help="A packaged voice for every request.")
-@click.option("--format", "fmt", type=click.Choice(["wav", "flac", "ogg", "mp3"]), default="wav", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["wav", "flac", "ogg", "mp3", "pcm"]), default="wav",
+              show_default=True)
+@click.option("--stream", is_flag=True,
+              help="Every request streams (batching server; wav or pcm; endpoints through "
+                   "InvokeEndpointWithResponseStream) and reports its time to first audio.")
 @click.option("--max-new-tokens", type=int, help="Cap the frames per text chunk (shorter runs).")
 @click.option("--seed", type=int)
 @click.option("--warmup", type=int, default=1, show_default=True, help="Unmeasured requests sent first.")
@@ -261,15 +284,18 @@ def invoke(name, url, text, voice, reference, reference_text, output, fmt, seed,
 @click.option("--startup-timeout", type=float, default=900, show_default=True, help="--local: seconds to wait for /ping.")
 @aws_options
 @friendly_errors
-def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, max_new_tokens, seed, warmup, out_dir,
-          timeout, startup_timeout, region, profile, endpoint_url):
-    """Load-test endpoint NAME, --url or --local: latency, throughput, real-time factor, errors."""
+def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, max_new_tokens, seed, warmup,
+          out_dir, timeout, startup_timeout, region, profile, endpoint_url):
+    """Load-test endpoint NAME, --url or --local: latency, throughput, real-time factor, errors,
+    requests rejected by a full server, and with --stream the time to first audio."""
     import contextlib
 
     from fish_sm.aws import bench as b
-    from fish_sm.aws.invoke import ACCEPT, EndpointTarget, UrlTarget
+    from fish_sm.aws.invoke import ACCEPT, EndpointTarget, UrlTarget, check_stream
 
     _one_target(("NAME", name), ("--url", url), ("--local", local))
+    if stream:
+        check_stream(fmt)
     levels = b.parse_concurrency(concurrency)
     text_list = b.load_texts(texts) if texts else [{"text": t} for t in b.BUILTIN_TEXTS]
     base = {k: v for k, v in (("voice", voice), ("format", fmt), ("max_new_tokens", max_new_tokens),
@@ -285,7 +311,7 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, max_new_
         else:
             target = EndpointTarget(_aws(region, profile, endpoint_url, max_pool_connections=max(levels) + 2), name)
         report = b.run_bench(target, concurrencies=levels, requests_per_level=n_requests, texts=text_list, base=base,
-                             accept=ACCEPT[fmt], warmup=warmup, log=click.echo)
+                             accept=ACCEPT[fmt], warmup=warmup, stream=stream, log=click.echo)
     json_path = b.write_json(report, out_dir / "bench.json")
     click.echo(b.format_table(report))
     click.echo(f"wrote {json_path}")

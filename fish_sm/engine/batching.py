@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fish_sm.engine.codec_stream import CodecStream, StreamingCodec
 from fish_sm.engine.engine import (DEFAULT_CHUNK_LENGTH, Engine, Reference, Synthesis, check_text,
                                    request_generator)
 from fish_sm.engine.generate import (GraphedStep, HostCopy, attention_bucket, decode_frame, noise_size,
@@ -65,9 +66,7 @@ class Job:
     references: tuple[Reference, ...] = ()
     chunk_length: int = DEFAULT_CHUNK_LENGTH
     params: SamplingParams = SamplingParams()
-    stream: bool = False  # audio in pieces as frames are decoded, else the whole at the end
-    first_chunk_frames: int = 4
-    chunk_frames: int = 16
+    stream: bool = False  # audio in pieces as frames are decoded (see codec_stream), else the whole at the end
 
 
 # What a ticket's sink receives, in this order: ("audio", float32 samples) any number of
@@ -168,7 +167,7 @@ class BatchEngine:
     KV cache is re-made with one row per slot)."""
 
     def __init__(self, engine: Engine, max_batch: int = 64, max_queue: int | None = None,
-                 prefix_cache: int = 8, memory_fraction: float = 0.9):
+                 prefix_cache: int = 8, memory_fraction: float = 0.9, first_piece: int = 4, largest_piece: int = 64):
         self.engine, self.model = engine, engine.model
         self.device = engine.device
         model, c = self.model, engine.config
@@ -192,7 +191,7 @@ class BatchEngine:
         self._lock = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
-        self._codec = CodecWorker(engine)
+        self._codec = CodecWorker(engine, first_piece, largest_piece)
         self.steps = 0
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int) -> int:
@@ -223,8 +222,10 @@ class BatchEngine:
         step = GraphedStep(self.model, max_batch=self.slots)
         t0 = time.perf_counter()
         step.capture_all(self.batch_sizes)
-        logger.info("batching: captured %d graphs in %.1f s", len(step.graphs), time.perf_counter() - t0)
         self._step = step
+        self._codec.capture(pieces=12)  # the rest of a long utterance's pieces are captured when first reached
+        logger.info("batching: captured %d decode and %d codec graphs in %.1f s", len(step.graphs),
+                    len(self._codec.codec.graphs), time.perf_counter() - t0)
 
     def start(self) -> "BatchEngine":
         self._running = True
@@ -262,6 +263,9 @@ class BatchEngine:
             self._waiting.append(ticket)
             self._lock.notify_all()
         return ticket
+
+    def alive(self) -> bool:
+        return self._running and self._thread is not None and self._thread.is_alive()
 
     def load(self) -> dict:
         with self._lock:
@@ -378,7 +382,8 @@ class BatchEngine:
             self.noise[r.slot].exponential_(1, generator=r.generator)
         live = max(pos) + 1
         key_pos = self.model.positions[: attention_bucket(self.max_seq_len, live)]
-        pos_index = torch.tensor([pos, index], device=self.device)
+        # Pinned and asynchronous: a pageable copy would wait for the step still running.
+        pos_index = torch.tensor([pos, index], pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
         input_pos, frame_index = pos_index[0], pos_index[1]
         start = (frame_index - PENALTY_WINDOW).clamp(min=0)
         columns = (start[:, None] + self.window_offsets)[:, None, :].expand(batch, self.rows, PENALTY_WINDOW)
@@ -409,8 +414,7 @@ class BatchEngine:
             if request.first_frame_at is None:
                 request.first_frame_at = time.perf_counter()
             request.codes.append(frame[1:].copy())
-            if request.ticket.job.stream:
-                self._codec.frames(request.ticket, frame[1:])
+            self._codec.frames(request.ticket, frame[1:])
             if index + 1 >= request.max_new:
                 self._finish_chunk(request)
         for request in [r for r in self._active if r.ticket.cancelled]:
@@ -471,14 +475,24 @@ def batch_sizes(slots: int) -> list[int]:
 
 
 class CodecWorker:
-    """Codes to audio on a thread (and CUDA stream) of its own, in the order they come:
-    a streaming decoder per streamed request, one whole decode per other request."""
+    """Codes to audio on a thread (and CUDA stream) of its own, piece by piece as frames
+    arrive (`StreamingCodec`): streamed requests get each piece, the others one
+    concatenation at the end."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, first_piece: int, largest_piece: int):
         self.engine = engine
+        self.codec = StreamingCodec(engine.codec, first_piece, largest_piece)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._decoders: dict[int, tuple] = {}
+        self._streams: dict[int, tuple[CodecStream, list, list]] = {}  # ticket -> (stream, frames, audio)
         self._thread: threading.Thread | None = None
+        self._cuda = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+
+    def capture(self, pieces: int) -> None:
+        with self._on_stream():
+            self.codec.capture(pieces)
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._cuda) if self._cuda is not None else contextlib.nullcontext()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="fish-sm-codec", daemon=True)
@@ -499,57 +513,49 @@ class CodecWorker:
         self._queue.put(("cancel", ticket, None))
 
     def _run(self) -> None:
-        stream = torch.cuda.Stream(self.engine.device) if self.engine.device.type == "cuda" else None
-        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.inference_mode(), self._on_stream():
             while (item := self._queue.get()) is not None:
                 kind, ticket, codes = item
                 try:
                     self._handle(kind, ticket, codes)
                 except Exception as exc:
                     logger.exception("codec failed")
-                    self._decoders.pop(id(ticket), None)
+                    self._streams.pop(id(ticket), None)
                     ticket.emit("error", exc)
 
     def _handle(self, kind: str, ticket: Ticket, codes) -> None:
-        job, key = ticket.job, id(ticket)
+        key = id(ticket)
         if kind == "cancel":
-            self._decoders.pop(key, None)
+            self._streams.pop(key, None)
             return
+        stream, frames, audio = self._streams.pop(key, None) or (CodecStream(), [], [])
         if kind == "frame":
-            decoder, buffered, sent = self._decoders.get(key) or (self.engine.codec.streaming_decoder(1), [], 0)
-            buffered.append(codes)
-            want = job.first_chunk_frames if sent == 0 else job.chunk_frames
-            if len(buffered) >= want:
-                self._emit_stream(ticket, decoder, buffered)
-                buffered, sent = [], sent + 1
-            self._decoders[key] = (decoder, buffered, sent)
+            frames.append(codes)
+            if len(frames) >= self.codec.next_frames(stream):
+                self._piece(ticket, stream, frames, audio)
+                frames = []
+            self._streams[key] = (stream, frames, audio)
             return
         t0 = time.perf_counter()
-        if job.stream:
-            decoder, buffered, _ = self._decoders.pop(key, (None, [], 0))
-            if buffered:
-                self._emit_stream(ticket, decoder, buffered)
-        else:
-            audio = self._decode_all(codes)
-            ticket.emit("audio", audio)
+        if frames:
+            self._piece(ticket, stream, frames, audio)
+        if not ticket.job.stream:
+            ticket.emit("audio", np.concatenate(audio) if audio else np.zeros(0, np.float32))
         ticket.timings["decode"] = time.perf_counter() - t0
         ticket.timings["total"] = time.perf_counter() - ticket.submitted
-        frames = len(codes)
-        seconds = frames * self.engine.frame_length / self.engine.sample_rate
+        n = len(codes)
+        seconds = n * self.engine.frame_length / self.engine.sample_rate
         stacked = torch.from_numpy(np.stack(codes, axis=1)) if codes else torch.zeros(self.engine.config.num_codebooks, 0, dtype=torch.long)
-        ticket.emit("done", Synthesis(audio=None, sample_rate=self.engine.sample_rate, frames=frames, seconds=seconds,
+        ticket.emit("done", Synthesis(audio=None, sample_rate=self.engine.sample_rate, frames=n, seconds=seconds,
                                       rtf=ticket.timings["total"] / seconds if seconds else float("inf"),
                                       timings=dict(ticket.timings), codes=stacked))
 
-    def _emit_stream(self, ticket: Ticket, decoder, buffered: list[np.ndarray]) -> None:
-        codes = torch.from_numpy(np.stack(buffered, axis=1))[None].to(self.engine.device)
-        audio = decoder.push(codes)[0].float().cpu().numpy()
-        if "first_audio" not in ticket.timings:
-            ticket.timings["first_audio"] = time.perf_counter() - ticket.submitted
-        ticket.emit("audio", audio)
-
-    def _decode_all(self, codes: list[np.ndarray]) -> np.ndarray:
-        if not codes:
-            return np.zeros(0, np.float32)
-        stacked = torch.from_numpy(np.stack(codes, axis=1))[None].to(self.engine.device)
-        return self.engine.codec.decode(stacked)[0].float().cpu().numpy()
+    def _piece(self, ticket: Ticket, stream: CodecStream, frames: list[np.ndarray], audio: list) -> None:
+        codes = torch.from_numpy(np.stack(frames, axis=1))[None].to(self.engine.device)
+        samples = self.codec.push(stream, codes)[0].float().cpu().numpy()
+        if ticket.job.stream:
+            if "first_audio" not in ticket.timings:
+                ticket.timings["first_audio"] = time.perf_counter() - ticket.submitted
+            ticket.emit("audio", samples)
+        else:
+            audio.append(samples)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -35,6 +36,15 @@ from fish_sm.engine.prompt import build_prompt
 SENTENCE = ("The quick brown fox jumps over the lazy dog while the patient engineer measures "
             "how fast this voice can start speaking.")  # 20 words
 REFERENCE_TEXT = "This is the transcript of the reference recording, spoken clearly and at an even pace."
+# Short texts for the batching curve (and the short-prompt decode it is compared with).
+BATCH_TEXTS = [
+    "Hello, and welcome to the show.",
+    "The weather today is sunny with a light breeze from the west.",
+    "Please remember to bring your badge to the front desk before the meeting starts.",
+    "Numbers like 42 and 1,024 are read out loud, one after another.",
+    "She sells sea shells by the sea shore, and the shells she sells are surely sea shells.",
+    "In the beginning there was silence, and then, slowly, a voice.",
+]
 
 
 def _sync(device: torch.device) -> None:
@@ -105,13 +115,14 @@ def measure(engine: Engine, frames: int, repeats: int, prompt_tokens: int) -> di
     dev, model = engine.device, engine.model
     voice = reference_voice(engine, max(1, prompt_tokens - 60))
     prompt = build_prompt(engine.tokenizer, model.config.num_codebooks, [(voice.text, voice.codes)], SENTENCE)
+    short = build_prompt(engine.tokenizer, model.config.num_codebooks, [], BATCH_TEXTS[1])  # as the batching curve's
     params = SamplingParams(max_new_tokens=frames, seed=0)
 
     def prefill():
         with torch.inference_mode():
             model.forward_slow(prompt.to(dev)[None], torch.arange(prompt.shape[1], device=dev), prompt.shape[1])
 
-    def decode() -> float:
+    def decode(prompt=prompt) -> float:
         t, n = time.perf_counter(), 0
         for i, _ in enumerate(generate_frames(model, prompt, params, step=engine._step)):
             if i == 0:
@@ -143,6 +154,7 @@ def measure(engine: Engine, frames: int, repeats: int, prompt_tokens: int) -> di
         "prompt_tokens": prompt.shape[1],
         "prefill_ms": statistics.median(_timed(prefill, dev) * 1e3 for _ in range(repeats)),
         "decode_frames_per_s": statistics.median(decode() for _ in range(repeats)),
+        "decode_short_prompt_frames_per_s": statistics.median(decode(short) for _ in range(repeats)),
         "codec_decode_10s_ms": statistics.median(_timed(codec_decode, dev) * 1e3 for _ in range(repeats)),
         "time_to_first_audio_ms": statistics.median(first_audio() * 1e3 for _ in range(repeats)),
         "reference_frames": voice.codes.shape[1],
@@ -173,21 +185,15 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
     return out
 
 
-BATCH_TEXTS = [
-    "Hello, and welcome to the show.",
-    "The weather today is sunny with a light breeze from the west.",
-    "Please remember to bring your badge to the front desk before the meeting starts.",
-    "Numbers like 42 and 1,024 are read out loud, one after another.",
-    "She sells sea shells by the sea shore, and the shells she sells are surely sea shells.",
-    "In the beginning there was silence, and then, slowly, a voice.",
-]
 
 
 def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, max_seq_len: int, device: str) -> dict:
-    """The batching engine at each number of concurrent streaming requests: aggregate and
-    per-stream frames/s, time to first audio (p50/p95). Each level runs `frames` frames per
-    request (random weights do not stop early), all submitted at once."""
+    """The batching engine at each number of concurrent requests, all submitted at once,
+    each `frames` long (random weights do not stop early): aggregate frames/s, each
+    request's decode rate (first to last frame), time to first audio p50/p95 when streaming;
+    once streamed, once whole."""
     from fish_sm.engine.batching import BatchEngine, Job
+    from fish_sm.engine.codec_stream import CodecStream
 
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     engine = Engine.from_pretrained(checkpoint, device=dev, max_seq_len=max_seq_len)
@@ -195,30 +201,45 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
         engine.quantize_int8()
     batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0)
     out = {"mode": mode, "slots": batcher.slots, "max_seq_len": max_seq_len, "frames_per_request": frames}
-    if mode != "eager":
-        out["compile_s"] = _timed(batcher.compile, dev)
-        out["graphs"] = len(batcher._step.graphs) if batcher._step else 0
+    out["compile_s"] = _timed(batcher.compile, dev)
+    out["codec_pieces_vs_whole_max_abs"] = _codec_pieces_check(engine, batcher._codec.codec, CodecStream)
     rate = engine.sample_rate / engine.frame_length
     levels = []
     with batcher:
         batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()  # warm-up
-        for n in streams:
-            t0 = time.perf_counter()
-            tickets = [batcher.submit(Job(BATCH_TEXTS[i % len(BATCH_TEXTS)], stream=True,
-                                          params=SamplingParams(seed=i, max_new_tokens=frames))) for i in range(n)]
-            results = [t.result() for t in tickets]
-            wall = time.perf_counter() - t0
-            first = sorted(t.timings["first_audio"] * 1e3 for t in tickets)
-            per_stream = [r.frames / r.timings["generate"] for r in results]
-            levels.append({
-                "streams": n, "aggregate_frames_per_s": sum(r.frames for r in results) / wall,
-                "per_stream_frames_per_s_min": min(per_stream), "per_stream_realtime_x_min": min(per_stream) / rate,
-                "first_audio_ms_p50": statistics.median(first), "first_audio_ms_p95": first[min(len(first) - 1, round(0.95 * (len(first) - 1)))],
-                "wall_s": wall,
-            })
-            print(json.dumps(levels[-1]), flush=True)
+        for stream in (True, False):
+            for n in streams:
+                t0 = time.perf_counter()
+                tickets = [batcher.submit(Job(BATCH_TEXTS[i % len(BATCH_TEXTS)], stream=stream,
+                                              params=SamplingParams(seed=i, max_new_tokens=frames))) for i in range(n)]
+                results = [t.result() for t in tickets]
+                wall = time.perf_counter() - t0
+                decode = [(r.frames - 1) / (t.timings["queue"] + t.timings["generate"] - t.timings["first_frame"])
+                          for t, r in zip(tickets, results)]
+                level = {"streams": n, "stream": stream, "aggregate_frames_per_s": sum(r.frames for r in results) / wall,
+                         "per_request_decode_frames_per_s_min": min(decode),
+                         "per_request_realtime_x_min": min(decode) / rate, "wall_s": wall}
+                if stream:
+                    first = sorted(t.timings["first_audio"] * 1e3 for t in tickets)
+                    level["first_audio_ms_p50"] = statistics.median(first)
+                    level["first_audio_ms_p95"] = first[min(len(first) - 1, math.ceil(0.95 * len(first)) - 1)]
+                levels.append(level)
+                print(json.dumps(level), flush=True)
     out["levels"] = levels
     return out
+
+
+def _codec_pieces_check(engine: Engine, pieces, CodecStream) -> float:
+    """Largest difference between a 300-frame decode in scheduled pieces (graphs on CUDA) and in one piece."""
+    codes = torch.randint(0, 1024, (1, engine.config.num_codebooks, 300), generator=torch.Generator().manual_seed(3)).to(engine.device)
+    stream, out, at = CodecStream(), [], 0
+    with torch.inference_mode():
+        while at < codes.shape[-1]:
+            n = min(pieces.next_frames(stream), codes.shape[-1] - at)
+            out.append(pieces.push(stream, codes[..., at : at + n]))
+            at += n
+        whole = engine.codec.decode(codes)
+    return (torch.cat(out, dim=-1) - whole).abs().max().item()
 
 
 COLD_WARM = """
@@ -257,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-warm", action="store_true", help="also time model_fn cold and from the persisted cache")
     p.add_argument("--batching", help="also measure the batching engine at these stream counts, e.g. 1,4,8,16,32,64")
     p.add_argument("--batching-frames", type=int, default=300, help="frames per request in --batching")
+    p.add_argument("--batching-modes", default="bf16", help="weights for --batching: bf16, int8 or both")
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request in --batching")
     p.add_argument("--json", help="write the report here too")
     a = p.parse_args(argv)
@@ -276,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         save(report["modes"][-1])
     if a.batching:
         streams = [int(n) for n in a.batching.split(",")]
-        for mode in [m for m in a.modes.split(",") if m in ("bf16", "int8")] or ["int8"]:
+        for mode in a.batching_modes.split(","):
             report.setdefault("batching", []).append(
                 batching_curve(a.checkpoint, mode, streams, a.batching_frames, a.max_seq_len, a.device))
             save(report["batching"][-1])

@@ -40,6 +40,7 @@ class ServingModel:
     voices: dict[str, Reference]
     model_dir: Path
     timings: dict[str, float] = field(default_factory=dict)
+    compiled: bool = False  # compile (and keep a compile cache) on this device
 
 
 @dataclass
@@ -72,16 +73,30 @@ def model_fn(model_dir, context=None) -> ServingModel:
     """Load the package in `model_dir` on this worker's GPU (or the CPU) and make it ready."""
     global _settings
     settings = _settings = Settings.from_env()
+    model, cache, phase = load_model(Path(model_dir), _device(context), settings)
+    if model.compiled:
+        phase("compile", model.engine.compile)
+    if settings.warmup:
+        phase("warmup", lambda: _warm_up(model))
+    if model.compiled:
+        phase("cache_save", cache.save)
+    logger.info("model_fn ready on %s in %.2f s (%s)", model.engine.device, sum(model.timings.values()),
+                ", ".join(f"{k} {v:.2f} s" for k, v in model.timings.items()))
+    return model
+
+
+def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False):
+    """The part of start-up both servers share: load, quantize, open the compile cache,
+    load the packaged voices. Returns the model, the cache (to save once compiled) and
+    the timer that records each phase in `model.timings`."""
     logging.getLogger("fish_sm").setLevel(settings.log_level)
-    model_dir = Path(model_dir)
-    device = _device(context)
     timings: dict[str, float] = {}
 
     def phase(name, fn):
         t0 = time.perf_counter()
         out = fn()
         timings[name] = time.perf_counter() - t0
-        logger.info("model_fn %s: %.2f s", name, timings[name])
+        logger.info("%s %s: %.2f s", device, name, timings[name])
         return out
 
     cache = CompileCache(model_dir / "compile_cache", Path(settings.cache_dir) / device.replace(":", ""))
@@ -89,23 +104,16 @@ def model_fn(model_dir, context=None) -> ServingModel:
     engine = phase("load", lambda: Engine.from_pretrained(model_dir, device=device, dtype=dtype,
                                                           max_seq_len=settings.max_seq_len or None))
     device_type = engine.device.type
-    if settings.use_quantize(device_type):
+    if settings.use_quantize(device_type, batching):
         phase("quantize", engine.quantize_int8)
-    if settings.use_compile(device_type):
+    compiled = settings.use_compile(device_type)
+    if compiled:
         phase("cache", lambda: cache.activate(engine.device))
-        phase("compile", engine.compile)
     voices = phase("voices", lambda: load_voices(model_dir / "voices", engine.config.num_codebooks))
     if settings.default_voice and settings.default_voice not in voices:
         raise FishSMError(f"FISH_SM_DEFAULT_VOICE={settings.default_voice!r} is not a packaged voice "
                           f"(packaged: {', '.join(sorted(voices)) or 'none'})")
-    model = ServingModel(engine, settings, voices, model_dir, timings)
-    if settings.warmup:
-        phase("warmup", lambda: _warm_up(model))
-    if settings.use_compile(device_type):
-        phase("cache_save", cache.save)
-    logger.info("model_fn ready on %s in %.2f s (%s)", engine.device, sum(timings.values()),
-                ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
-    return model
+    return ServingModel(engine, settings, voices, model_dir, timings, compiled), cache, phase
 
 
 def _warm_up(model: ServingModel) -> None:
@@ -118,6 +126,9 @@ def _warm_up(model: ServingModel) -> None:
 def input_fn(input_data, content_type, context=None) -> Batch:
     """Parse and validate the body; nothing reaches the GPU unless the whole request is valid."""
     requests = parse_body(input_data, content_type, _settings or Settings.from_env())
+    if any(r.stream for r in requests):
+        raise bad_request("streaming is answered by the batching server (fish-sm serve --server batching, "
+                          "the default in the fish-sm container); this server returns whole responses")
     return Batch(requests, jsonlines=media_type(content_type) in JSONLINES_ALIASES)
 
 
@@ -129,7 +140,7 @@ def predict_fn(data: Batch, model: ServingModel, context=None) -> Prediction:
 def _synthesize(model: ServingModel, request: TTSRequest):
     import torch
 
-    reference = _reference(model, request)
+    reference = resolve_reference(model, request)
     try:
         return model.engine.synthesize(request.text, reference=reference, chunk_length=request.chunk_length,
                                        temperature=request.sampling.temperature, top_p=request.sampling.top_p,
@@ -143,7 +154,8 @@ def _synthesize(model: ServingModel, request: TTSRequest):
         raise HTTPError(503, "the GPU ran out of memory for this request; retry, or send a shorter text or reference") from None
 
 
-def _reference(model: ServingModel, request: TTSRequest) -> Reference | None:
+def resolve_reference(model: ServingModel, request: TTSRequest) -> Reference | None:
+    """The request's voice: a packaged one, a zero-shot recording (encoded, cached), or the default."""
     if request.voice is not None:
         if request.voice not in model.voices:
             known = ", ".join(sorted(model.voices)) or "none"

@@ -20,7 +20,8 @@ from fish_sm.serving.settings import Settings
 
 JSON, JSONLINES, TEXT = "application/json", "application/jsonlines", "text/plain"
 JSONLINES_ALIASES = {"application/jsonlines", "application/jsonl", "application/x-jsonlines"}
-AUDIO_TYPES = {"wav": "audio/wav", "flac": "audio/flac", "ogg": "audio/ogg", "mp3": "audio/mpeg"}
+AUDIO_TYPES = {"wav": "audio/wav", "flac": "audio/flac", "ogg": "audio/ogg", "mp3": "audio/mpeg", "pcm": "audio/pcm"}
+STREAM_FORMATS = ("wav", "pcm")  # formats that can be written before their length is known
 AUDIO_ALIASES = {"audio/x-wav": "wav", "audio/wave": "wav", "audio/vnd.wave": "wav", "audio/mp3": "mp3",
                  **{mime: fmt for fmt, mime in AUDIO_TYPES.items()}}
 SAMPLE_RATES = (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000)
@@ -28,7 +29,7 @@ CHUNK_LENGTH_RANGE = (50, 1000)
 _S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(.+)$")
 
 FIELDS = {"text", "voice", "reference", "format", "sample_rate", "temperature", "top_p", "repetition_penalty",
-          "max_new_tokens", "seed", "chunk_length"}
+          "max_new_tokens", "seed", "chunk_length", "stream"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class TTSRequest:
     sample_rate: int | None = None
     chunk_length: int = 200
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False  # chunked audio as it is made (the batching server)
 
 
 def media_type(header: str | None) -> str:
@@ -79,6 +81,8 @@ def parse_body(body: bytes | str, content_type: str | None, settings: Settings) 
                 out.append(parse_fields(_load_json(line, f"line {n}"), settings))
             except HTTPError as exc:
                 raise HTTPError(exc.status, f"line {n}: {exc.message}") from None
+            if out[-1].stream:
+                raise bad_request(f"line {n}: a JSON Lines request cannot stream; send one JSON request with \"stream\": true")
         return out
     supported = ", ".join([JSON, TEXT, JSONLINES])
     raise HTTPError(415, f"content type {content_type or '(none)'!r} is not supported; send one of {supported}")
@@ -126,12 +130,17 @@ def parse_fields(data, settings: Settings) -> TTSRequest:
     sampling = {k: _optional(data, k, float) for k in ("temperature", "top_p", "repetition_penalty")}
     sampling = {k: v for k, v in sampling.items() if v is not None}
     seed = _optional(data, "seed", int)
+    stream = _optional(data, "stream", bool) or False
+    if stream and fmt is not None and fmt not in STREAM_FORMATS:
+        raise bad_request(f"format {fmt!r} cannot be streamed; stream wav or pcm")
+    if stream and sample_rate is not None:
+        raise bad_request("sample_rate cannot be combined with stream: streamed audio keeps the model's sample rate")
     try:
         params = SamplingParams(**sampling, max_new_tokens=max_new_tokens or min(1024, settings.max_new_tokens), seed=seed)
     except InputError as exc:
         raise bad_request(str(exc)) from None
     return TTSRequest(text=text, voice=voice, reference=reference, format=fmt, sample_rate=sample_rate,
-                      chunk_length=chunk_length or 200, sampling=params)
+                      chunk_length=chunk_length or 200, sampling=params, stream=stream)
 
 
 def _optional(data: dict, name: str, kind: type):
@@ -140,6 +149,10 @@ def _optional(data: dict, name: str, kind: type):
         return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise bad_request(f"field {name!r} must be true or false, got {json.dumps(value)}")
+        return value
     if isinstance(value, bool) or not isinstance(value, kind):
         raise bad_request(f"field {name!r} must be {'a number' if kind is float else 'an integer' if kind is int else 'a string'}, got {json.dumps(value)}")
     return value

@@ -25,7 +25,7 @@ def _default_cache_dir() -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    quantize: str = "auto"  # auto (int8 on GPU, none on CPU) | int8 | none
+    quantize: str = "auto"  # auto (int8 on GPU for the mms server; none on CPU and for batching) | int8 | none
     compile: str = "auto"  # auto (on for GPU) | true | false
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
     default_voice: str = ""  # a packaged voice id used when a request names none
@@ -41,6 +41,10 @@ class Settings:
     ready_dir: str = ""  # set by `fish-sm serve`: where workers mark themselves ready
     model_dir: str = ""  # the package to serve; set by `fish-sm serve` (MMS itself gets an empty directory)
     host: str = "0.0.0.0"  # the address deploy/serve listens on (all interfaces, inside a container)
+    server: str = "batching"  # what deploy/serve runs: batching (aiohttp, continuous batching) | mms
+    max_batch: int = 64  # batching server: most requests decoded together per GPU (fewer if memory is short)
+    max_queue: int = 64  # batching server: requests that may wait for a slot; more get 503 + Retry-After
+    prefix_cache: int = 8  # batching server: reference-voice prompt prefills kept on the GPU
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
@@ -60,18 +64,24 @@ class Settings:
 
     def validate(self) -> None:
         choices = {"quantize": ("auto", "int8", "none"), "compile": ("auto", "true", "false"),
-                   "dtype": ("auto", "bf16", "fp16", "fp32"), "log_level": ("DEBUG", "INFO", "WARNING", "ERROR")}
+                   "dtype": ("auto", "bf16", "fp16", "fp32"), "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+                   "server": ("batching", "mms")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{PREFIX}{name.upper()}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
-        for name in ("max_text_chars", "max_reference_bytes", "max_new_tokens"):
+        for name in ("max_text_chars", "max_reference_bytes", "max_new_tokens", "max_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{PREFIX}{name.upper()} must be at least 1")
         if self.max_reference_seconds <= 0 or self.warmup < 0 or self.max_seq_len < 0:
             raise ConfigError(f"{PREFIX}MAX_REFERENCE_SECONDS must be positive, WARMUP and MAX_SEQ_LEN not negative")
+        if self.max_queue < 0 or self.prefix_cache < 0:
+            raise ConfigError(f"{PREFIX}MAX_QUEUE and {PREFIX}PREFIX_CACHE must not be negative")
 
-    def use_quantize(self, device_type: str) -> bool:
-        return self.quantize == "int8" or (self.quantize == "auto" and device_type == "cuda")
+    def use_quantize(self, device_type: str, batching: bool = False) -> bool:
+        """auto: INT8 for one request at a time on a GPU; not for the batching server, where
+        torchao's INT8 kernel for several rows at once is far slower than bf16 (H100: 283 us
+        per call at 32 rows, two thirds of the step; see docs/benchmarks.md)."""
+        return self.quantize == "int8" or (self.quantize == "auto" and device_type == "cuda" and not batching)
 
     def use_compile(self, device_type: str) -> bool:
         return self.compile == "true" or (self.compile == "auto" and device_type == "cuda")
@@ -88,4 +98,4 @@ def _parse(key: str, raw: str, type_name: str):
             return tuple(b.strip() for b in raw.split(",") if b.strip())
     except ValueError:
         raise ConfigError(f"{key}={raw!r} is not a valid {type_name}") from None
-    return raw.upper() if key.endswith("LOG_LEVEL") else raw.lower() if key.endswith(("QUANTIZE", "COMPILE", "DTYPE")) else raw
+    return raw.upper() if key.endswith("LOG_LEVEL") else raw.lower() if key.endswith(("QUANTIZE", "COMPILE", "DTYPE", "SERVER")) else raw

@@ -4,8 +4,10 @@ plus the statistics on hand-made samples and the local-server lifecycle."""
 import base64
 import io
 import json
+import struct
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -29,9 +31,14 @@ def wav_for(text: str) -> bytes:
     return buf.getvalue()
 
 
-class Handler(BaseHTTPRequestHandler):
-    """The SageMaker container contract, in miniature: audio whose length follows the text."""
+STREAM_PAUSE_S = 0.15
 
+
+class Handler(BaseHTTPRequestHandler):
+    """The SageMaker container contract, in miniature: audio whose length follows the text; streamed
+    (header first, then PCM after a pause) when asked; 503 with Retry-After for "busy503"."""
+
+    protocol_version = "HTTP/1.1"
     requests: list = []
 
     def log_message(self, *args):
@@ -46,7 +53,18 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Handler.requests.append((body, self.headers.get("Accept")))
         text = body["text"]
-        if "fail500" in text or "fail400" in text:
+        if body.get("stream") and "fail" not in text and "busy" not in text:
+            return self.stream(wav_for(text))
+        if "busy503" in text:
+            payload = json.dumps({"error": "all 1 slots are busy and 0 requests wait already; retry after 2 s"}).encode()
+            self.send_response(503)
+            self.send_header("Retry-After", "2")
+            self.send_header("Content-Type", "application/json")
+        elif "fail503" in text:
+            payload = json.dumps({"error": "the model is still loading"}).encode()
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+        elif "fail500" in text or "fail400" in text:
             code = 500 if "fail500" in text else 400
             payload = json.dumps({"error": f"refused: {text}"}).encode()
             self.send_response(code)
@@ -58,6 +76,23 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
+
+    def stream(self, wav: bytes):
+        """As the batching server streams: an open-length WAV header, then PCM pieces as they are made."""
+        header = wav[:40] + struct.pack("<I", 0xFFFFFFFF)
+        header = header[:4] + struct.pack("<I", 0xFFFFFFFF) + header[8:]
+        pcm = wav[44:]
+        self.send_response(200)
+        self.send_header("Content-Type", "audio/wav")
+        self.send_header("X-Sample-Rate", str(RATE))
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        half = len(pcm) // 2 & ~1
+        for piece in (header, pcm[:half], pcm[half:]):
+            self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            self.wfile.flush()
+            time.sleep(STREAM_PAUSE_S)
+        self.wfile.write(b"0\r\n\r\n")
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +199,19 @@ def test_summarize_on_known_samples():
     assert "4/7" in table and "HTTP 503: 2, timeout: 1" in table and "0/1" in table
 
 
+def test_summarize_first_audio_and_rejections():
+    samples = [b.Sample(2, i, 0.0, lat, True, "ok", 1.0, 10, first_audio_s=first)
+               for i, (lat, first) in enumerate([(1.0, 0.1), (2.0, 0.2), (3.0, 0.3), (4.0, 0.4)])]
+    samples += [b.Sample(2, 8, 0.0, 0.01, False, "rejected", None, 10, "full; retry after 1 s")]
+    s = b.summarize(samples, wall_s=4.0, concurrency=2)
+    assert s["requests"] == 5 and s["ok"] == 4 and s["rejected"] == 1 and s["errors"] == {}
+    assert s["first_audio_ms"]["p50"] == pytest.approx(250) and s["first_audio_ms"]["mean"] == pytest.approx(250)
+    assert s["first_audio_ms"]["p95"] == pytest.approx(np.percentile([100, 200, 300, 400], 95))
+    assert s["error_examples"] == {"rejected": "full; retry after 1 s"}
+    row, = b.table_rows({"stream": True, "levels": [s]})
+    assert row[5:7] == ["250", "385"] and row[-2:] == ["1", "-"]
+
+
 def test_bench_input_checks(tmp_path):
     with pytest.raises(Exception, match="at least 1"):
         b.parse_concurrency("0,2")
@@ -222,3 +270,54 @@ def test_local_server_is_started_and_always_stopped(tmp_path, monkeypatch):
             pass
     assert procs[-1].args[:4] == [sys.executable, "-m", "fish_sm.cli", "serve"]
     assert procs[-1].args[4:] == [str(tmp_path), "--port", str(port)] and procs[-1].poll() is not None
+
+
+def test_stream_first_audio_is_the_first_byte_after_the_header(server_url, tmp_path):
+    """The header comes at once and the audio a pause later: first audio counts from the audio."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("A streamed sentence of some length.\nAnother one, a little longer than the first.\n")
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["bench", "--url", server_url, "--stream", "--concurrency", "1,2",
+                                       "--requests", "4", "--texts", str(texts), "--warmup", "0", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    for s in report["samples"]:
+        assert s["ok"] and STREAM_PAUSE_S <= s["first_audio_s"] < s["latency_s"] - STREAM_PAUSE_S
+    for lv in report["levels"]:
+        assert lv["first_audio_ms"]["p50"] >= STREAM_PAUSE_S * 1000
+        assert lv["audio_seconds"] == pytest.approx(2 * sum(int(len(t) * SECONDS_PER_CHAR * RATE) / RATE
+                                                            for t in texts.read_text().split("\n") if t))
+    assert all(r.get("stream") is True for r, _ in Handler.requests[-8:])
+    header = next(ln for ln in result.output.splitlines() if ln.startswith("conc "))
+    assert header.split() == ["conc", "ok/n", "p50", "s", "p95", "s", "p99", "s", "1st", "p50", "ms", "1st", "p95", "ms",
+                              "req/s", "audio", "s/s", "RTF", "p50", "rejected", "errors"]
+
+    # invoke --stream writes a WAV whose header says its real length.
+    wav = tmp_path / "s.wav"
+    result = CliRunner().invoke(main, ["invoke", "--url", server_url, "--text", "Streamed to a file.", "--stream",
+                                       "-o", str(wav)])
+    assert result.exit_code == 0, result.output
+    assert wav.read_bytes() == wav_for("Streamed to a file.")
+
+
+def test_full_server_503_with_retry_after_is_counted_as_rejected(server_url, tmp_path):
+    with pytest.raises(ServiceError) as err:
+        UrlTarget(server_url).send({"text": "busy503"})
+    assert err.value.kind == "rejected" and err.value.retry_after == "2" and err.value.status == 503
+    with pytest.raises(ServiceError) as err:
+        UrlTarget(server_url).send({"text": "fail503"})  # a 503 without Retry-After stays an error
+    assert err.value.kind == "HTTP 503"
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("Short one.\nbusy503 please\nfail503 loading\n")
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["bench", "--url", server_url, "--concurrency", "1,2", "--requests", "6",
+                                       "--texts", str(texts), "--warmup", "0", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    for lv in report["levels"]:
+        assert (lv["ok"], lv["rejected"], lv["errors"]) == (2, 2, {"HTTP 503": 2})
+        assert "retry after 2 s" in lv["error_examples"]["rejected"]
+    rows = b.format_table(report).splitlines()[2:]
+    assert len(rows) == 2 and all(row.split()[-4:] == ["2", "HTTP", "503:", "2"] for row in rows)  # rejected, errors
+    assert "rejected (server full)" in result.output

@@ -13,6 +13,7 @@ from fish_sm.aws import AWSError
 from fish_sm.aws import deploy as d
 from fish_sm.aws.s3 import parse_s3_uri
 from fish_sm.aws.session import AWS
+from fish_sm.errors import InputError
 
 NAME = "tts"
 STAMP = "20250102030405678"
@@ -54,7 +55,8 @@ def endpoint(status, config, reason=None):
 
 def request(**overrides):
     scaling = d.make_autoscaling(instances=1, min_instances=None, max_instances=4, target=None, metric="concurrency",
-                                 is_async=False, scale_to_zero=False)
+                                 is_async=False, scale_to_zero=False, instance_type="ml.g6e.2xlarge",
+                                 env={"FISH_SM_QUANTIZE": "int8"})
     fields = dict(name=NAME, model_data=parse_s3_uri("s3://models/tts/model.tar.gz"), role=ROLE,
                   instance_type="ml.g6e.2xlarge", image="123456789012.dkr.ecr.us-east-1.amazonaws.com/fish-sm:0.1",
                   env={"FISH_SM_QUANTIZE": "int8"}, autoscaling=scaling, bake_seconds=600, rollback_errors=3)
@@ -127,7 +129,7 @@ def test_update_is_blue_green_with_rollback_alarm_and_reattaches_autoscaling(stu
     aa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN, "Alarms": []}, {
         "PolicyName": "fish-sm-concurrency", **policies_query, "PolicyType": "TargetTrackingScaling",
         "TargetTrackingScalingPolicyConfiguration": {
-            "TargetValue": 2.0, "ScaleInCooldown": 300, "ScaleOutCooldown": 60,
+            "TargetValue": 48.0, "ScaleInCooldown": 300, "ScaleOutCooldown": 60,  # 75% of 1 GPU x 64 slots
             "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerVariantConcurrentRequestsPerModelHighResolution"}}})
     aa.add_response("describe_scaling_policies", {"ScalingPolicies": [policy]}, policies_query)
     cw.add_response("describe_alarms", {"MetricAlarms": []},
@@ -138,6 +140,8 @@ def test_update_is_blue_green_with_rollback_alarm_and_reattaches_autoscaling(stu
     assert any("blue/green" in line and "invocation-5xx" in line for line in lines)
     assert any("removed scalable target" in line and "instance type changes from ml.g5.2xlarge" in line for line in lines)
     assert [line for line in lines if "] tts:" in line] == ["[00:00] tts: Updating", "[00:00] tts: InService"]
+    assert lines[0] == ("autoscaling target: 48 concurrent requests per instance "
+                        "(75% of the batching server's 64 slots: 1 GPU x FISH_SM_MAX_BATCH 64)")
     for s in stubs.values():
         s.assert_no_pending_responses()
 
@@ -223,7 +227,7 @@ def test_async_scale_to_zero_requests_match_the_service_models():
     session = boto3.Session(aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
     aa, cw = session.client("application-autoscaling"), session.client("cloudwatch")
     scaling = d.make_autoscaling(instances=1, min_instances=None, max_instances=5, target=None, metric="concurrency",
-                                 is_async=True, scale_to_zero=True)
+                                 is_async=True, scale_to_zero=True, instance_type="ml.g6e.2xlarge")
     assert (scaling.min, scaling.max, scaling.metric, scaling.target) == (0, 5, "backlog", 2.0)
     with Stubber(aa) as sa, Stubber(cw) as sc:
         sa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN}, d.policy_request(NAME, scaling))
@@ -232,3 +236,24 @@ def test_async_scale_to_zero_requests_match_the_service_models():
         aa.put_scaling_policy(**d.policy_request(NAME, scaling))
         aa.put_scaling_policy(**d.wake_policy_request(NAME))
         cw.put_metric_alarm(**d.wake_alarm_request(NAME, POLICY_ARN))
+
+
+def test_default_targets_by_server_and_instance():
+    def target(instance_type, **kwargs):
+        scaling = d.make_autoscaling(instances=1, min_instances=None, max_instances=2, target=kwargs.pop("target", None),
+                                     metric=kwargs.pop("metric", "concurrency"), is_async=kwargs.pop("is_async", False),
+                                     scale_to_zero=False, instance_type=instance_type, **kwargs)
+        return scaling.target
+
+    assert target("ml.g5.12xlarge") == 4 * 64 * 0.75 == 192
+    assert target("ml.g5.xlarge") == 48 and target("ml.p5.48xlarge") == 8 * 64 * 0.75
+    assert target("ml.g5.12xlarge", env={"FISH_SM_MAX_BATCH": "16"}) == 48
+    assert target("ml.g5.12xlarge", stock_container=True) == d.DEFAULT_TARGETS["concurrency"] == 2.0
+    assert target("ml.g5.12xlarge", env={"FISH_SM_SERVER": "MMS"}) == 2.0
+    assert target("ml.g5.12xlarge", target=7) == 7.0
+    assert target("ml.g5.12xlarge", metric="invocations") == 60.0  # depends on text length, not slots
+    assert target("ml.g5.12xlarge", is_async=True) == 2.0  # async: backlog per instance
+    value, why = d.default_target("concurrency", instance_type="ml.g7.xlarge")
+    assert value == 48 and "not in fish-sm's GPU table, counted as 1 GPU" in why
+    with pytest.raises(InputError, match="FISH_SM_MAX_BATCH='0' must be a whole number"):
+        target("ml.g5.xlarge", env={"FISH_SM_MAX_BATCH": "0"})

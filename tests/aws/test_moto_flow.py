@@ -258,3 +258,31 @@ def test_redeploy_replaces_autoscaling_and_delete_leaves_other_endpoints(moto_ur
     printed = cli(moto_url, "delete", "voice-2")
     assert "removed alarm fish-sm/voice-2/invocation-5xx" in printed
     assert sm.list_models()["Models"] == []
+
+
+def test_default_concurrency_target_follows_the_server(moto_url):
+    """Our image (batching server): 75% of FISH_SM_MAX_BATCH x GPUs; the one-request-per-GPU servers: the old 2."""
+    s3, aa = client(moto_url, "s3"), client(moto_url, "application-autoscaling")
+    s3.create_bucket(Bucket="fish-sm-targets")
+    s3.put_object(Bucket="fish-sm-targets", Key="model.tar.gz", Body=b"x")
+    common = ["--model-data", "s3://fish-sm-targets/model.tar.gz", "--role", ROLE, "--instance-type", "ml.g4dn.12xlarge",
+              "--max", 3, "--poll", 0.01]
+    image = ["--image", "123.dkr/fish-sm:1"]
+    stock = ["--stock-container", "--image", "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-inference:2.6-gpu-py312"]
+    cases = [
+        ("batching", [*image], 192.0, "(75% of the batching server's 256 slots: 4 GPUs x FISH_SM_MAX_BATCH 64)"),
+        ("batch-32", [*image, "--env", "FISH_SM_MAX_BATCH=32"], 96.0, "128 slots: 4 GPUs x FISH_SM_MAX_BATCH 32"),
+        ("mms-env", [*image, "--env", "FISH_SM_SERVER=mms"], 2.0, "one request at a time per GPU worker"),
+        ("stock", stock, 2.0, "one request at a time per GPU worker"),
+        ("given", [*image, "--target", 10], 10.0, "(given with --target)"),
+    ]
+    for name, extra, value, why in cases:
+        printed = cli(moto_url, "deploy", name, *common, *extra)
+        line, = [ln for ln in printed.splitlines() if ln.startswith("autoscaling target:")]
+        assert line.startswith(f"autoscaling target: {value:g} concurrent requests per instance") and why in line, line
+        policy, = aa.describe_scaling_policies(ServiceNamespace="sagemaker",
+                                               ResourceId=f"endpoint/{name}/variant/AllTraffic")["ScalingPolicies"]
+        assert policy["TargetTrackingScalingPolicyConfiguration"]["TargetValue"] == value, name
+        cli(moto_url, "delete", name)
+    printed = cli(moto_url, "deploy", "bad-batch", *common, *image, "--env", "FISH_SM_MAX_BATCH=lots", ok=False)
+    assert printed.strip().splitlines()[-1] == "Error: --env FISH_SM_MAX_BATCH='lots' must be a whole number of at least 1"

@@ -1,9 +1,8 @@
-"""invoke --url and bench against a real `fish-sm serve` of a package of the tiny random checkpoint (CPU)."""
+"""invoke --url and bench against a real `fish-sm serve` of a package of the tiny random checkpoint (CPU).
+The package (`tiny_model`) comes from tests/aws/conftest.py."""
 
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -25,20 +24,6 @@ def private_tmpdir(monkeypatch):
     monkeypatch.setenv("TMPDIR", path)
     yield
     shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, tone, encode_audio):
-    """A package directory, as SageMaker unpacks model.tar.gz: the tiny checkpoint and one voice."""
-    from fish_sm.serving.package import build_package_dir
-
-    root = tmp_path_factory.mktemp("tiny-serve")
-    subprocess.run([sys.executable, "-m", "fish_sm.cli", "make-checkpoint", str(root / "ckpt"), "--preset", "tiny"],
-                   check=True, capture_output=True)
-    voice = root / "narrator.wav"
-    voice.write_bytes(encode_audio(tone(1.0, 16000), 16000, "WAV"))
-    build_package_dir(root / "ckpt", root / "package", voices={"narrator": (voice, "The narrator speaking.")})
-    return root / "package"
 
 
 def test_bench_local_starts_measures_and_stops_the_server(tiny_model, tmp_path):

@@ -72,15 +72,20 @@ def test_concurrent_requests_match_each_run_alone(tiny_checkpoint, solo, voices)
 
 
 def test_streamed_pieces_concatenate_to_the_whole(tiny_checkpoint, voices):
-    batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
+    batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4,
+                          first_piece=2, largest_piece=8)
     job = Job(TEXTS[1], references=(voices[0],), chunk_length=60, params=SamplingParams(seed=3, max_new_tokens=60))
     with batcher:
         whole = batcher.submit(job).result()
-        ticket = batcher.submit(Job(**{**job.__dict__, "stream": True, "first_chunk_frames": 2, "chunk_frames": 5}))
+        ticket = batcher.submit(Job(**{**job.__dict__, "stream": True}))
         pieces = [p for kind, p in ticket.events() if kind == "audio"]
-    assert len(pieces) > 3
-    assert len(pieces[0]) == 2 * batcher.engine.frame_length
-    np.testing.assert_allclose(np.concatenate(pieces), whole.audio, atol=1e-4)
+    frames = [len(p) // batcher.engine.frame_length for p in pieces]
+    assert frames[:4] == [2, 4, 8, 8] and sum(frames) == whole.frames
+    np.testing.assert_allclose(np.concatenate(pieces), whole.audio, atol=1e-6)
+    # Decoded piece by piece, the audio is the codec's whole-sequence decode.
+    with torch.inference_mode():
+        at_once = batcher.engine.codec.decode(whole.codes[None])[0].numpy()
+    np.testing.assert_allclose(whole.audio, at_once, atol=1e-4)
 
 
 def test_overload_is_refused_at_once_and_cancel_frees_the_slot(tiny_checkpoint):

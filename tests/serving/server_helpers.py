@@ -74,8 +74,8 @@ class Server:
                 self.proc.wait()
 
 
-def serve_cmd(model_dir: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "fish_sm.cli", "serve", str(model_dir), "--port", str(port)]
+def serve_cmd(model_dir: Path, port: int, server: str = "mms") -> list[str]:
+    return [sys.executable, "-m", "fish_sm.cli", "serve", str(model_dir), "--port", str(port), "--server", server]
 
 
 QUICK_ENV = {"FISH_SM_WARMUP": "1"}

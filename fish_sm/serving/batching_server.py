@@ -1,0 +1,292 @@
+"""The batching server: SageMaker's container contract on aiohttp, in front of one
+continuous-batching engine per GPU.
+
+`GET /ping` is 503 while the engines load, compile and warm up, 200 once they serve, and
+503 again if an engine thread dies. `POST /invocations` takes the same bodies, headers and
+settings as the handler (`request.parse_body`, `handler.resolve_reference`,
+`handler.output_fn`: one definition of a request) and answers whole, or — with
+`"stream": true` — as chunked audio while it is generated: a WAV header of open length
+then 16-bit PCM, or bare PCM for `Accept: audio/pcm`. That is what SageMaker's
+`InvokeEndpointWithResponseStream` relays. A full server answers 503 with `Retry-After`
+at once; a client that goes away frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+from aiohttp import web
+
+from fish_sm.engine.batching import BatchEngine, Job, Overloaded
+from fish_sm.engine.sampling import SamplingParams
+from fish_sm.errors import FishSMError, InputError
+from fish_sm.serving import audio as audio_out
+from fish_sm.serving.errors import HTTPError, bad_request
+from fish_sm.serving.handler import Prediction, ServingModel, WARMUP_TEXT, load_model, output_fn, resolve_reference
+from fish_sm.serving.request import (AUDIO_TYPES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type, parse_body,
+                                      response_format)
+from fish_sm.serving.server import PAYLOAD_LIMIT, ServerConfig, check_model_dir
+from fish_sm.serving.settings import Settings
+
+logger = logging.getLogger("fish_sm.serving")
+
+
+class Worker:
+    """One GPU (or the CPU): the loaded model and its batching engine."""
+
+    def __init__(self, model: ServingModel, batcher: BatchEngine):
+        self.model, self.batcher = model, batcher
+
+    def alive(self) -> bool:
+        return self.batcher.alive()
+
+    def busy(self) -> int:
+        load = self.batcher.load()
+        return load["active"] + load["waiting"]
+
+
+def start_worker(model_dir: Path, device: str, settings: Settings) -> Worker:
+    """Load, quantize, capture the batched decode steps, warm up; then start the engine."""
+    model, cache, phase = load_model(model_dir, device, settings, batching=True)
+    batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
+                          prefix_cache=settings.prefix_cache)
+    if model.compiled:
+        phase("compile", batcher.compile)
+    batcher.start()
+    if settings.warmup:
+        phase("warmup", lambda: _warm_up(model, batcher))
+    if model.compiled:
+        phase("cache_save", cache.save)
+    logger.info("%s ready with %d slots in %.2f s (%s)", device, batcher.slots, sum(model.timings.values()),
+                ", ".join(f"{k} {v:.2f} s" for k, v in model.timings.items()))
+    return Worker(model, batcher)
+
+
+def _warm_up(model: ServingModel, batcher: BatchEngine) -> None:
+    """Requests along every path: whole and streamed, with and without a voice, several at once."""
+    voice = model.voices.get(model.settings.default_voice) or next(iter(model.voices.values()), None)
+    jobs = [Job(WARMUP_TEXT, references=(voice,) if voice and i % 2 else (), stream=i % 3 == 0,
+                params=SamplingParams(seed=i, max_new_tokens=16 * (i + 1)))
+            for i in range(max(2, model.settings.warmup))]
+    for start in range(0, len(jobs), batcher.slots):
+        for ticket in [batcher.submit(job) for job in jobs[start : start + batcher.slots]]:
+            ticket.result()
+
+
+def devices() -> list[str]:
+    import torch
+
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
+
+
+class BatchingApp:
+    def __init__(self, model_dir: Path, settings: Settings):
+        self.model_dir, self.settings = model_dir, settings
+        self.workers: list[Worker] = []
+        self.failed: str | None = None
+        self.stopping = asyncio.Event()
+
+    # -- start-up -----------------------------------------------------------------------
+
+    async def start(self, app: web.Application) -> None:
+        app["loading"] = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            # Each device loads in its own thread: /ping answers meanwhile.
+            self.workers = list(await asyncio.gather(*(
+                loop.run_in_executor(None, start_worker, self.model_dir, d, self.settings) for d in devices())))
+        except Exception as exc:
+            logger.exception("start-up failed")
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self.stopping.set()  # a server that cannot serve exits, so the platform sees it fail
+
+    async def stop(self, app: web.Application) -> None:
+        app["loading"].cancel()
+        for worker in self.workers:
+            worker.batcher.stop()
+
+    # -- the contract --------------------------------------------------------------------
+
+    async def ping(self, request: web.Request) -> web.Response:
+        if self.failed:
+            return web.json_response({"status": "Failed", "error": self.failed}, status=503)
+        if not self.workers:
+            return web.json_response({"status": "Loading"}, status=503)
+        if not all(w.alive() for w in self.workers):
+            return web.json_response({"status": "Unhealthy"}, status=503)
+        return web.json_response({"status": "Healthy", "load": [w.batcher.load() for w in self.workers]})
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        if not self.workers:
+            return _error(HTTPError(503, "the model is still loading"))
+        try:
+            accept = request.headers.get("Accept")
+            check_accept(accept)
+            body = await request.read()
+            content_type = request.headers.get("Content-Type")
+            requests = parse_body(body, content_type, self.settings)
+            worker = min(self.workers, key=Worker.busy)
+            if requests[0].stream:
+                return await self._stream(request, worker, requests[0], accept)
+            jsonlines = media_type(content_type) in JSONLINES_ALIASES
+            if not jsonlines:
+                response_format(accept, requests[0])  # a contradicting Accept fails before any work
+            try:  # JSON Lines: all lines at once; if one fails, the others are cancelled
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(self._whole(request, worker, r)) for r in requests]
+            except* HTTPError as errors:
+                raise errors.exceptions[0] from None
+            results = [t.result() for t in tasks]
+            payload, kind = output_fn(Prediction(list(results), requests, jsonlines), accept)
+            return web.Response(body=payload, content_type=kind.split(";")[0])
+        except HTTPError as exc:
+            return _error(exc)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception:
+            logger.exception("request failed")
+            return _error(HTTPError(500, "internal error; see the server log"))
+
+    async def _submit(self, worker: Worker, tts: TTSRequest, stream: bool):
+        """Resolve the voice (encoding a zero-shot recording off the event loop), submit,
+        and return the ticket and the queue its events arrive on."""
+        loop = asyncio.get_running_loop()
+        reference = await loop.run_in_executor(None, resolve_reference, worker.model, tts)
+        job = Job(tts.text, references=(reference,) if reference is not None else (), chunk_length=tts.chunk_length,
+                  params=tts.sampling, stream=stream)
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            ticket = worker.batcher.submit(job, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        except Overloaded as exc:
+            raise Busy(str(exc), exc.retry_after_s) from None
+        except InputError as exc:
+            raise bad_request(str(exc)) from None
+        return ticket, events
+
+    async def _whole(self, request: web.Request, worker: Worker, tts: TTSRequest):
+        ticket, events = await self._submit(worker, tts, stream=False)
+        pieces = []
+        try:
+            while True:
+                kind, payload = await _next_event(request, events)
+                if kind == "audio":
+                    pieces.append(payload)
+                elif kind == "error":
+                    raise _http_error(payload)
+                else:
+                    payload.audio = pieces[0] if pieces else np.zeros(0, np.float32)
+                    return payload
+        finally:
+            ticket.cancel()  # no-op once done; frees the slot if the client left
+
+    async def _stream(self, request: web.Request, worker: Worker, tts: TTSRequest, accept: str | None):
+        kind, fmt = response_format(accept, tts)
+        if kind not in (AUDIO_TYPES["wav"], AUDIO_TYPES["pcm"]):
+            raise HTTPError(406, f"a stream is answered in audio/wav or audio/pcm, not {kind}")
+        ticket, events = await self._submit(worker, tts, stream=True)
+        rate = worker.model.engine.sample_rate
+        response = None
+        try:
+            while True:
+                event, payload = await _next_event(request, events)
+                if event == "error":
+                    if response is None:
+                        raise _http_error(payload)
+                    logger.error("stream failed after it started: %s", payload)
+                    break  # the status is sent: ending the body early is all that is left
+                if response is None:
+                    response = web.StreamResponse(headers={"Content-Type": kind if fmt == "wav" else
+                                                           f"audio/pcm;rate={rate};channels=1;encoding=s16le",
+                                                           "X-Sample-Rate": str(rate)})
+                    response.enable_chunked_encoding()
+                    await response.prepare(request)
+                    if fmt == "wav":
+                        await response.write(audio_out.open_wav_header(rate))
+                if event == "audio":
+                    await response.write(audio_out.pcm16(payload))
+                else:
+                    break
+            await response.write_eof()
+            return response
+        finally:
+            ticket.cancel()
+
+
+class Busy(HTTPError):
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(503, f"{message}; retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+async def _next_event(request: web.Request, events: asyncio.Queue):
+    """The next engine event, or ConnectionResetError as soon as the client has gone."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client disconnected") from None
+
+
+def _http_error(exc: Exception) -> HTTPError:
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, InputError):
+        return bad_request(str(exc))
+    import torch
+
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return HTTPError(503, "the GPU ran out of memory for this request; retry, or send a shorter text or reference")
+    if isinstance(exc, FishSMError):
+        return HTTPError(503, str(exc))
+    logger.error("request failed: %r", exc)
+    return HTTPError(500, f"internal error: {type(exc).__name__}")
+
+
+def _error(exc: HTTPError) -> web.Response:
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Busy) else None
+    return web.Response(status=exc.status, body=json.dumps({"error": exc.message}), content_type="application/json",
+                        headers=headers)
+
+
+def make_app(model_dir: Path, settings: Settings) -> web.Application:
+    server = BatchingApp(model_dir, settings)
+    app = web.Application(client_max_size=PAYLOAD_LIMIT)
+    app.router.add_get("/ping", server.ping)
+    app.router.add_post("/invocations", server.invocations)
+    app.on_startup.append(server.start)
+    app.on_cleanup.append(server.stop)
+    app["server"] = server
+    return app
+
+
+def serve(cfg: ServerConfig) -> int:
+    """Run the batching server in the foreground until SIGTERM or SIGINT."""
+    check_model_dir(cfg.model_dir)
+    settings = Settings.from_env()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = make_app(cfg.model_dir, settings)
+    asyncio.run(_run(app, cfg))
+    return 1 if app["server"].failed else 0
+
+
+async def _run(app: web.Application, cfg: ServerConfig) -> None:
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, cfg.host, cfg.port).start()
+    stop = app["server"].stopping
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

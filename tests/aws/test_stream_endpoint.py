@@ -1,0 +1,239 @@
+"""invoke --stream and bench --stream on an endpoint: InvokeEndpointWithResponseStream over real HTTP.
+
+moto has no InvokeEndpointWithResponseStream, and botocore's Stubber cannot return its event
+stream (it checks the response's Body against the model as a plain structure). So a small
+stand-in for SageMaker's runtime speaks the operation's wire format — AWS event-stream
+frames of PayloadPart events, or ModelStreamError / ModelError — relaying a real `fish-sm
+serve` of the tiny package as SageMaker relays a container, and passes every other call
+(DescribeEndpoint) on to moto. botocore serializes the request and parses the events with
+the real service model.
+"""
+
+import binascii
+import http.client
+import json
+import re
+import struct
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import boto3
+import numpy as np
+import pytest
+import soundfile as sf
+from click.testing import CliRunner
+from moto.server import ThreadedMotoServer
+
+from fish_sm.aws.invoke import EndpointTarget, ServiceError
+from fish_sm.aws.session import AWS
+from fish_sm.cli import main
+
+pytestmark = pytest.mark.skipif("serve" not in main.commands, reason="`fish-sm serve` is not part of this build")
+
+NAME = "tts-stream"
+ROLE = "arn:aws:iam::123456789012:role/fish-sm-test"
+COMMON = ["--text", "Hello from the tiny model, streamed.", "--voice", "narrator", "--max-new-tokens", "20",
+          "--seed", "1"]
+BUSY = '{"error": "all 64 slots are busy and 64 requests wait already; retry after 1 s"}'
+
+
+def frame(headers: dict[str, str], payload: bytes) -> bytes:
+    """One message of the AWS event-stream encoding: prelude, its CRC, string headers, payload, CRC."""
+    head = b"".join(struct.pack("B", len(k)) + k.encode() + b"\x07" + struct.pack(">H", len(v)) + v.encode()
+                    for k, v in headers.items())
+    prelude = struct.pack(">II", 16 + len(head) + len(payload), len(head))
+    message = prelude + struct.pack(">I", binascii.crc32(prelude)) + head + payload
+    return message + struct.pack(">I", binascii.crc32(message))
+
+
+def payload_part(data: bytes) -> bytes:
+    return frame({":message-type": "event", ":event-type": "PayloadPart", ":content-type": "application/octet-stream"},
+                 data)
+
+
+def stream_error(kind: str, message: str, code: str | None = None) -> bytes:
+    body = {"Message": message, **({"ErrorCode": code} if code else {})}
+    return frame({":message-type": "exception", ":exception-type": kind, ":content-type": "application/json"},
+                 json.dumps(body).encode())
+
+
+class Runtime(BaseHTTPRequestHandler):
+    """SageMaker in miniature: /endpoints/NAME/invocations-response-stream relays the container."""
+
+    protocol_version = "HTTP/1.1"
+    container = ""  # the `fish-sm serve` URL
+    moto = ""
+    calls: list = []
+    break_after: int | None = None  # parts relayed before a ModelStreamError
+    reject = False  # answer as SageMaker does when the container says 503 (full)
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        match = re.fullmatch(r"/endpoints/([^/]+)/invocations-response-stream", urlsplit(self.path).path)
+        if match:
+            self.relay(match.group(1), body)
+        else:
+            self.forward(body)
+
+    def forward(self, body: bytes):
+        conn = http.client.HTTPConnection(urlsplit(self.moto).netloc, timeout=30)
+        conn.request("POST", self.path, body, {k: v for k, v in self.headers.items() if k.lower() != "host"})
+        r = conn.getresponse()
+        data = r.read()
+        self.send_response(r.status)
+        for k, v in r.getheaders():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def answer(self, status: int, error_type: str, doc: dict):
+        data = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("x-amzn-ErrorType", error_type)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def relay(self, name: str, body: bytes):
+        accept = self.headers.get("X-Amzn-SageMaker-Accept", "*/*")
+        Runtime.calls.append({"name": name, "accept": accept, "content_type": self.headers["Content-Type"],
+                              "body": json.loads(body)})
+        if Runtime.reject:
+            return self.answer(424, "ModelError", {"Message": "Received server error (503) from primary",
+                                                   "OriginalStatusCode": 503, "OriginalMessage": BUSY})
+        req = urllib.request.Request(Runtime.container + "/invocations", data=body, method="POST",
+                                     headers={"Content-Type": self.headers["Content-Type"], "Accept": accept})
+        try:
+            upstream = urllib.request.urlopen(req, timeout=60)
+        except urllib.error.HTTPError as exc:
+            return self.answer(424, "ModelError", {"Message": f"Received client error ({exc.code}) from primary",
+                                                   "OriginalStatusCode": exc.code,
+                                                   "OriginalMessage": exc.read().decode()})
+        with upstream:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/vnd.amazon.eventstream")
+            self.send_header("X-Amzn-SageMaker-Content-Type", upstream.headers["Content-Type"])
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for n, piece in enumerate(iter(lambda: upstream.read1(65536), b"")):
+                if Runtime.break_after is not None and n >= Runtime.break_after:
+                    self.chunk(stream_error("ModelStreamError", "the model server's stream broke", "StreamBroken"))
+                    break
+                self.chunk(payload_part(piece))
+            self.chunk(b"")
+
+    def chunk(self, data: bytes):
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+
+@pytest.fixture(scope="module")
+def runtime_url(tmp_path_factory, tiny_url):
+    """moto (with endpoint NAME, born InService) behind the runtime stand-in; AWS settings from nowhere else."""
+    empty = tmp_path_factory.mktemp("aws-home")
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION"):
+            mp.delenv(key, raising=False)
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(empty / "config"),
+                           "AWS_SHARED_CREDENTIALS_FILE": str(empty / "credentials")}.items():
+            mp.setenv(key, value)
+        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        moto.start()
+        host, port = moto.get_host_and_port()
+        Runtime.moto, Runtime.container = f"http://{host}:{port}", tiny_url
+        sm = boto3.client("sagemaker", endpoint_url=Runtime.moto)
+        sm.create_model(ModelName=f"{NAME}-1", ExecutionRoleArn=ROLE,
+                        PrimaryContainer={"Image": "123.dkr/fish-sm:1", "ModelDataUrl": "s3://b/model.tar.gz"})
+        sm.create_endpoint_config(EndpointConfigName=f"{NAME}-1", ProductionVariants=[{
+            "VariantName": "AllTraffic", "ModelName": f"{NAME}-1", "InitialInstanceCount": 1,
+            "InstanceType": "ml.m5.xlarge"}])
+        sm.create_endpoint(EndpointName=NAME, EndpointConfigName=f"{NAME}-1")
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Runtime)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            server.server_close()
+            moto.stop()
+
+
+@pytest.fixture(autouse=True)
+def fresh_runtime():
+    Runtime.calls, Runtime.break_after, Runtime.reject = [], None, False
+
+
+def cli(url, *args, ok=True):
+    result = CliRunner().invoke(main, [*map(str, args), "--endpoint-url", url])
+    assert "Traceback" not in result.output
+    assert result.exit_code == (0 if ok else 1), result.output
+    return result.output
+
+
+def test_invoke_stream_on_an_endpoint_writes_the_whole_responses_audio(runtime_url, tiny_url, tmp_path):
+    CliRunner().invoke(main, ["invoke", "--url", tiny_url, *COMMON, "-o", str(tmp_path / "whole.wav")])
+    whole, rate = sf.read(tmp_path / "whole.wav", dtype="int16")
+
+    printed = cli(runtime_url, "invoke", NAME, *COMMON, "--stream", "-o", tmp_path / "ep.wav")
+    call, = Runtime.calls
+    assert call["name"] == NAME and call["accept"] == "audio/wav" and call["content_type"] == "application/json"
+    assert call["body"] == {"text": COMMON[1], "voice": "narrator", "format": "wav", "stream": True,
+                            "max_new_tokens": 20, "seed": 1}
+    first, total = map(float, re.search(r"first audio after ([\d.]+) s, complete after ([\d.]+) s", printed).groups())
+    assert 0 < first < total and "audio/wav" in printed
+    streamed, rate2 = sf.read(tmp_path / "ep.wav", dtype="int16")
+    assert rate2 == rate and len(streamed) == len(whole) and np.abs(streamed.astype(int) - whole).max() <= 2
+
+    printed = cli(runtime_url, "invoke", NAME, *COMMON, "--stream", "-o", tmp_path / "ep.pcm")
+    assert Runtime.calls[-1]["accept"] == "audio/pcm" and "audio/pcm;rate=44100" in printed
+    pcm = np.frombuffer((tmp_path / "ep.pcm").read_bytes(), "<i2")
+    assert len(pcm) == len(whole) and np.abs(pcm.astype(int) - whole).max() <= 2
+
+
+def test_stream_errors_on_an_endpoint_are_one_line(runtime_url, tmp_path):
+    Runtime.break_after = 1  # the header and perhaps some audio, then the stream breaks
+    out = tmp_path / "broken.wav"
+    printed = cli(runtime_url, "invoke", NAME, *COMMON, "--stream", "-o", out, ok=False)
+    line, = printed.strip().splitlines()
+    assert line == f"Error: endpoint {NAME}: ModelStreamError: the model server's stream broke"
+    assert not out.exists()
+
+    Runtime.break_after = None  # the container refuses before streaming: SageMaker's ModelError
+    printed = cli(runtime_url, "invoke", NAME, "--text", "Hi.", "--temperature", "7", "--stream", ok=False)
+    line, = printed.strip().splitlines()
+    assert line.startswith(f"Error: endpoint {NAME} answered 400:") and "temperature" in line
+
+    aws = AWS(region="us-east-1", endpoint_url=runtime_url)
+    Runtime.reject = True
+    with pytest.raises(ServiceError) as err:
+        EndpointTarget(aws, NAME).send({"text": "Hi.", "stream": True})
+    assert err.value.kind == "rejected" and err.value.status == 503 and "retry after 1 s" in str(err.value)
+
+
+def test_bench_stream_on_an_endpoint(runtime_url, tmp_path):
+    out = tmp_path / "bench"
+    cli(runtime_url, "bench", NAME, "--stream", "--concurrency", "1,2", "--requests", "4", "--max-new-tokens", "20",
+        "--seed", "0", "--warmup", "0", "-o", out)
+    report = json.loads((out / "bench.json").read_text())
+    assert report["stream"] is True and report["target"] == f"endpoint {NAME}"
+    assert len(Runtime.calls) == 8 and all(c["body"]["stream"] is True for c in Runtime.calls)
+    for level in report["levels"]:
+        assert level["ok"] == 4 and level["errors"] == {} and level["rejected"] == 0
+        assert 0 < level["first_audio_ms"]["p50"] < level["latency_s"]["p50"] * 1000
+    assert all(0 < s["first_audio_s"] < s["latency_s"] for s in report["samples"])
+
+    Runtime.reject = True  # a full container: counted per level, not errors
+    cli(runtime_url, "bench", NAME, "--stream", "--concurrency", "2", "--requests", "3", "--warmup", "0", "-o", out)
+    level, = json.loads((out / "bench.json").read_text())["levels"]
+    assert level["rejected"] == 3 and level["ok"] == 0 and level["errors"] == {}
