@@ -28,6 +28,7 @@ import hashlib
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -192,6 +193,7 @@ class BatchEngine:
         self._running = False
         self._thread: threading.Thread | None = None
         self._codec = CodecWorker(engine, first_piece, largest_piece)
+        self._decoded: list[tuple[Ticket, np.ndarray]] = []  # checked frames not yet handed to the codec
         self.steps = 0
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int) -> int:
@@ -228,6 +230,9 @@ class BatchEngine:
                     len(self._codec.codec.graphs), time.perf_counter() - t0)
 
     def start(self) -> "BatchEngine":
+        # The decode loop and the codec thread hand the GIL to each other many times a
+        # frame; Python's default 5 ms switch interval would stall the loop behind the codec.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
         self._running = True
         self._codec.start()
         self._thread = threading.Thread(target=self._loop, name="fish-sm-batching", daemon=True)
@@ -414,9 +419,10 @@ class BatchEngine:
             if request.first_frame_at is None:
                 request.first_frame_at = time.perf_counter()
             request.codes.append(frame[1:].copy())
-            self._codec.frames(request.ticket, frame[1:])
+            self._decoded.append((request.ticket, request.codes[-1]))
             if index + 1 >= request.max_new:
                 self._finish_chunk(request)
+        self._hand_over()
         for request in [r for r in self._active if r.ticket.cancelled]:
             self._retire(request)
         return step or []
@@ -435,8 +441,15 @@ class BatchEngine:
         ticket.timings["generate"] = now - ticket.submitted - ticket.timings.get("queue", 0.0)
         if request.first_frame_at is not None:
             ticket.timings["first_frame"] = request.first_frame_at - ticket.submitted
+        self._hand_over()  # its last frames before its end
         self._codec.finish(ticket, request.spoken)
         self._retire(request)
+
+    def _hand_over(self) -> None:
+        """Frames checked since the last hand-over go to the codec: once per step, not once per request."""
+        if self._decoded:
+            self._codec.frames(self._decoded)
+            self._decoded = []
 
     def _fail(self, request: _Request, exc: Exception) -> None:
         request.ticket.emit("error", exc)
@@ -503,8 +516,8 @@ class CodecWorker:
             self._queue.put(None)
             self._thread.join()
 
-    def frames(self, ticket: Ticket, codes: np.ndarray) -> None:
-        self._queue.put(("frame", ticket, codes))
+    def frames(self, frames: list[tuple[Ticket, np.ndarray]]) -> None:
+        self._queue.put(("frames", None, frames))
 
     def finish(self, ticket: Ticket, codes: list[np.ndarray]) -> None:
         self._queue.put(("finish", ticket, codes))
@@ -516,12 +529,13 @@ class CodecWorker:
         with torch.inference_mode(), self._on_stream():
             while (item := self._queue.get()) is not None:
                 kind, ticket, codes = item
-                try:
-                    self._handle(kind, ticket, codes)
-                except Exception as exc:
-                    logger.exception("codec failed")
-                    self._streams.pop(id(ticket), None)
-                    ticket.emit("error", exc)
+                for ticket, codes in codes if kind == "frames" else [(ticket, codes)]:
+                    try:
+                        self._handle(kind, ticket, codes)
+                    except Exception as exc:
+                        logger.exception("codec failed")
+                        self._streams.pop(id(ticket), None)
+                        ticket.emit("error", exc)
 
     def _handle(self, kind: str, ticket: Ticket, codes) -> None:
         key = id(ticket)
@@ -529,7 +543,7 @@ class CodecWorker:
             self._streams.pop(key, None)
             return
         stream, frames, audio = self._streams.pop(key, None) or (CodecStream(), [], [])
-        if kind == "frame":
+        if kind == "frames":
             frames.append(codes)
             if len(frames) >= self.codec.next_frames(stream):
                 self._piece(ticket, stream, frames, audio)

@@ -214,10 +214,13 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
                                               params=SamplingParams(seed=i, max_new_tokens=frames))) for i in range(n)]
                 results = [t.result() for t in tickets]
                 wall = time.perf_counter() - t0
+                # Each request's decode rate, first frame to last (requests that stopped early excluded).
                 decode = [(r.frames - 1) / (t.timings["queue"] + t.timings["generate"] - t.timings["first_frame"])
-                          for t, r in zip(tickets, results)]
+                          for t, r in zip(tickets, results) if r.frames >= frames // 2] or [0.0]
                 level = {"streams": n, "stream": stream, "aggregate_frames_per_s": sum(r.frames for r in results) / wall,
                          "per_request_decode_frames_per_s_min": min(decode),
+                         "per_request_decode_frames_per_s_median": statistics.median(decode),
+                         "stopped_early": sum(r.frames < frames // 2 for r in results),
                          "per_request_realtime_x_min": min(decode) / rate, "wall_s": wall}
                 if stream:
                     first = sorted(t.timings["first_audio"] * 1e3 for t in tickets)

@@ -83,13 +83,7 @@ class Attention(nn.Module):
         bsz, _, seqlen, _ = q.shape
         k, v = self.kv_cache.update(input_pos, k, v, live, row)
         gqa = self.n_head != self.n_local_heads
-        if mask is not None and seqlen == 1:
-            # One query per row: the query heads sharing a KV head become that head's "sequence",
-            # so each key and value is read once, with no copy repeating them per query head.
-            group = self.n_head // self.n_local_heads
-            y = F.scaled_dot_product_attention(q.reshape(bsz, self.n_local_heads, group, self.head_dim), k, v,
-                                               attn_mask=mask)
-        elif mask is not None:
+        if mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif seqlen == live:  # a prefill from position 0: plain causal attention
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -98,7 +92,7 @@ class Attention(nn.Module):
         else:  # a chunk continuing a prefix: a key is visible to a query at or after its position
             visible = torch.arange(live, device=q.device)[None, :] <= input_pos[:, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[None, None], enable_gqa=gqa)
-        return y.reshape(bsz, self.n_head, seqlen, self.head_dim).transpose(1, 2).reshape(bsz, seqlen, -1)
+        return y.transpose(1, 2).reshape(bsz, seqlen, self.n_head * self.head_dim)
 
 
 class FeedForward(nn.Module):
