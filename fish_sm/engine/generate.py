@@ -68,7 +68,10 @@ def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, win
     arange of the longest row's length rounded up by `attention_bucket`) sets how many,
     masking each row's slots after its query, so a graph serves every position in its bucket.
     """
-    logits, hidden = model.forward_slow(frame[:, :, None], input_pos[:, None], live, key_pos)
+    # One row: its position as the batch's shared one (a plain slice write into the cache);
+    # several: one position per row (an indexed write).
+    positions = input_pos if frame.shape[0] == 1 else input_pos[:, None]
+    logits, hidden = model.forward_slow(frame[:, :, None], positions, live, key_pos)
     return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty, probs_fn)
 
 

@@ -70,8 +70,9 @@ def test_long_text_is_chunked_into_one_waveform(engine, monkeypatch):
     import fish_sm.engine.engine as engine_module
 
     prompts = []
-    real_build = engine_module.build_prompt
-    monkeypatch.setattr(engine_module, "build_prompt", lambda *a: prompts.append(a) or real_build(*a))
+    real_build = engine_module.chunk_prompt
+    # chunk_prompt(tokenizer, num_codebooks, max_seq_len, references, previous, chunk)
+    monkeypatch.setattr(engine_module, "chunk_prompt", lambda *a: prompts.append((a[0], a[1], a[3] + a[4], a[5])) or real_build(*a))
     text = "The first sentence is here. The second one follows it. A third closes the text."
     result = engine.synthesize(text, chunk_length=30, seed=7, max_new_tokens=6)
     assert [p[3] for p in prompts] == ["The first sentence is here.", "The second one follows it.",
