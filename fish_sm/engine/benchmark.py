@@ -193,7 +193,6 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     request's decode rate (first to last frame), time to first audio p50/p95 when streaming;
     once streamed, once whole."""
     from fish_sm.engine.batching import BatchEngine, Job
-    from fish_sm.engine.codec_stream import CodecStream
 
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     engine = Engine.from_pretrained(checkpoint, device=dev, max_seq_len=max_seq_len)
@@ -202,7 +201,7 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0)
     out = {"mode": mode, "slots": batcher.slots, "max_seq_len": max_seq_len, "frames_per_request": frames}
     out["compile_s"] = _timed(batcher.compile, dev)
-    out["codec_pieces_vs_whole_max_abs"] = _codec_pieces_check(engine, batcher._codec.codec, CodecStream)
+    out["codec_pieces_vs_whole_max_abs"] = _codec_pieces_check(engine, batcher._codec.codec)
     rate = engine.sample_rate / engine.frame_length
     levels = []
     with batcher:
@@ -232,17 +231,13 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     return out
 
 
-def _codec_pieces_check(engine: Engine, pieces, CodecStream) -> float:
+def _codec_pieces_check(engine: Engine, pieces) -> float:
     """Largest difference between a 300-frame decode in scheduled pieces (graphs on CUDA) and in one piece."""
+    from fish_sm.engine.codec_stream import decode_in_pieces
+
     codes = torch.randint(0, 1024, (1, engine.config.num_codebooks, 300), generator=torch.Generator().manual_seed(3)).to(engine.device)
-    stream, out, at = CodecStream(), [], 0
     with torch.inference_mode():
-        while at < codes.shape[-1]:
-            n = min(pieces.next_frames(stream), codes.shape[-1] - at)
-            out.append(pieces.push(stream, codes[..., at : at + n]))
-            at += n
-        whole = engine.codec.decode(codes)
-    return (torch.cat(out, dim=-1) - whole).abs().max().item()
+        return (decode_in_pieces(pieces, codes) - engine.codec.decode(codes)).abs().max().item()
 
 
 COLD_WARM = """

@@ -127,3 +127,13 @@ class StreamingCodec:
         for _ in range(min(pieces, self.max_graphs)):
             n = self.next_frames(stream)
             self.push(stream, torch.zeros(1, self.codec.n_rows, n, dtype=torch.long, device=self.codec._param.device))
+
+
+def decode_in_pieces(codec: StreamingCodec, codes: Tensor) -> Tensor:
+    """codes [1, rows, n] decoded piece by piece as a stream would be (graphs where captured)."""
+    stream, out, at = CodecStream(), [], 0
+    while at < codes.shape[-1]:
+        n = min(codec.next_frames(stream), codes.shape[-1] - at)
+        out.append(codec.push(stream, codes[..., at : at + n]))
+        at += n
+    return torch.cat(out, dim=-1)

@@ -53,7 +53,7 @@ class Worker:
 
 def start_worker(model_dir: Path, device: str, settings: Settings) -> Worker:
     """Load, quantize, capture the batched decode steps, warm up; then start the engine."""
-    model, cache, phase = load_model(model_dir, device, settings, batching=True)
+    model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device)
     batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
                           prefix_cache=settings.prefix_cache)
     if model.compiled:

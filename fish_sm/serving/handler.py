@@ -85,7 +85,7 @@ def model_fn(model_dir, context=None) -> ServingModel:
     return model
 
 
-def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False):
+def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn"):
     """The part of start-up both servers share: load, quantize, open the compile cache,
     load the packaged voices. Returns the model, the cache (to save once compiled) and
     the timer that records each phase in `model.timings`."""
@@ -96,7 +96,7 @@ def load_model(model_dir: Path, device: str, settings: Settings, batching: bool 
         t0 = time.perf_counter()
         out = fn()
         timings[name] = time.perf_counter() - t0
-        logger.info("%s %s: %.2f s", device, name, timings[name])
+        logger.info("%s %s: %.2f s", label, name, timings[name])
         return out
 
     cache = CompileCache(model_dir / "compile_cache", Path(settings.cache_dir) / device.replace(":", ""))

@@ -28,3 +28,4 @@ def tiny_url(tiny_model, tmp_path_factory):
     with local_server(tiny_model, log_path=tmp_path_factory.mktemp("tiny-url") / "serve.log",
                       startup_timeout_s=120) as url:
         yield url
+

@@ -3,11 +3,11 @@
 import pytest
 from click.testing import CliRunner
 from moto.sagemaker import models as sagemaker_models
-from moto.server import ThreadedMotoServer
 
 import boto3
 from botocore.config import Config
 
+from moto_helpers import moto_server
 from fish_sm.cli import main
 
 ROLE = "arn:aws:iam::123456789012:role/fish-sm-test"
@@ -15,25 +15,11 @@ ROLE = "arn:aws:iam::123456789012:role/fish-sm-test"
 
 @pytest.fixture(scope="module")
 def moto_url(tmp_path_factory):
-    empty = tmp_path_factory.mktemp("aws-home")
-    with pytest.MonkeyPatch.context() as mp:
-        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION"):
-            mp.delenv(key, raising=False)
-        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(empty / "config"),
-                           "AWS_SHARED_CREDENTIALS_FILE": str(empty / "credentials")}.items():
-            mp.setenv(key, value)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        url = f"http://{host}:{port}"
+    with moto_server(tmp_path_factory) as url:
         s3 = boto3.client("s3", endpoint_url=url, config=Config(s3={"addressing_style": "path"}))
         s3.create_bucket(Bucket="fish-sm-errors")
         s3.put_object(Bucket="fish-sm-errors", Key="model.tar.gz", Body=b"x")
-        try:
-            yield url
-        finally:
-            server.stop()
+        yield url
 
 
 def fails(args, *expected):

@@ -14,9 +14,9 @@ import boto3
 import pytest
 from botocore.config import Config
 from click.testing import CliRunner
-from moto.server import ThreadedMotoServer
 
 from fish_sm.cli import main
+from moto_helpers import moto_server
 
 ROLE = "arn:aws:iam::123456789012:role/fish-sm-test"
 BUCKET = "fish-sm-test"
@@ -27,21 +27,8 @@ SNS_ERR = "arn:aws:sns:us-east-1:123456789012:tts-failed"
 @pytest.fixture(scope="module")
 def moto_url(tmp_path_factory):
     """A moto server on a free port, with dummy credentials and nothing from ~/.aws."""
-    empty = tmp_path_factory.mktemp("aws-home")
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_CONFIG_FILE": str(empty / "config"), "AWS_SHARED_CREDENTIALS_FILE": str(empty / "credentials")}
-    with pytest.MonkeyPatch.context() as mp:
-        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION"):
-            mp.delenv(key, raising=False)
-        for key, value in env.items():
-            mp.setenv(key, value)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        try:
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
+    with moto_server(tmp_path_factory) as url:
+        yield url
 
 
 def client(url, service):

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 from click.testing import CliRunner
-from moto.server import ThreadedMotoServer
 
+from moto_helpers import moto_server
 from fish_sm.aws.invoke import EndpointTarget, ServiceError
 from fish_sm.aws.session import AWS
 from fish_sm.cli import main
@@ -139,18 +139,8 @@ class Runtime(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def runtime_url(tmp_path_factory, tiny_url):
     """moto (with endpoint NAME, born InService) behind the runtime stand-in; AWS settings from nowhere else."""
-    empty = tmp_path_factory.mktemp("aws-home")
-    with pytest.MonkeyPatch.context() as mp:
-        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION"):
-            mp.delenv(key, raising=False)
-        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(empty / "config"),
-                           "AWS_SHARED_CREDENTIALS_FILE": str(empty / "credentials")}.items():
-            mp.setenv(key, value)
-        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        moto.start()
-        host, port = moto.get_host_and_port()
-        Runtime.moto, Runtime.container = f"http://{host}:{port}", tiny_url
+    with moto_server(tmp_path_factory) as moto:
+        Runtime.moto, Runtime.container = moto, tiny_url
         sm = boto3.client("sagemaker", endpoint_url=Runtime.moto)
         sm.create_model(ModelName=f"{NAME}-1", ExecutionRoleArn=ROLE,
                         PrimaryContainer={"Image": "123.dkr/fish-sm:1", "ModelDataUrl": "s3://b/model.tar.gz"})
@@ -166,7 +156,6 @@ def runtime_url(tmp_path_factory, tiny_url):
         finally:
             server.shutdown()
             server.server_close()
-            moto.stop()
 
 
 @pytest.fixture(autouse=True)

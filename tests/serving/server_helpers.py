@@ -79,3 +79,20 @@ def serve_cmd(model_dir: Path, port: int, server: str = "mms") -> list[str]:
 
 
 QUICK_ENV = {"FISH_SM_WARMUP": "1"}
+
+
+def check_bad_request_then_a_good_one(server: "Server", body, ctype: str, status: int, message: str) -> None:
+    """The error a bad request gets (status, JSON message, no traceback), and that the next request is served."""
+    import io
+
+    import soundfile as sf
+
+    accept = "text/html" if status == 406 else "audio/wav" if "asks for" in message else None
+    if not isinstance(body, (bytes, str)):
+        body = json.dumps(body)
+    got, headers, out = request(server.url + "/invocations", body, ctype, accept)
+    assert got == status, out
+    assert headers["Content-Type"].startswith("application/json") and b"Traceback" not in out
+    assert message in json.loads(out)["error"]
+    ok, _, audio = request(server.url + "/invocations", {"text": "Still fine.", "max_new_tokens": 2})
+    assert ok == 200 and sf.info(io.BytesIO(audio)).samplerate == 44100

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from server_helpers import QUICK_ENV, Server, free_port, request, serve_cmd
+from server_helpers import QUICK_ENV, Server, check_bad_request_then_a_good_one, free_port, request, serve_cmd
 from test_server import SERVER_BAD
 
 LIMITS = {"FISH_SM_MAX_TEXT_CHARS": "100", "FISH_SM_MAX_REFERENCE_BYTES": "1000", "FISH_SM_ALLOWED_BUCKETS": "voices-ok"}
@@ -58,15 +58,7 @@ def test_ping_is_503_until_the_engine_serves(server):
 
 @pytest.mark.parametrize("body, ctype, status, message", SERVER_BAD, ids=[m for *_, m in SERVER_BAD])
 def test_bad_requests_get_the_handlers_errors(server, body, ctype, status, message):
-    accept = "text/html" if status == 406 else "audio/wav" if "asks for" in message else None
-    if not isinstance(body, (bytes, str)):
-        body = json.dumps(body)
-    got, headers, out = invoke(server, body, ctype, accept)
-    assert got == status, out
-    assert headers["Content-Type"].startswith("application/json") and b"Traceback" not in out
-    assert message in json.loads(out)["error"]
-    ok, _, audio = invoke(server, {"text": "Still fine.", "max_new_tokens": 2})
-    assert ok == 200 and sf.info(io.BytesIO(audio)).samplerate == 44100
+    check_bad_request_then_a_good_one(server, body, ctype, status, message)
 
 
 @pytest.mark.parametrize("body, accept, status, message", [
