@@ -340,7 +340,9 @@ class BatchEngine:
             if length + 1 >= self.max_seq_len:
                 raise InputError(f"the prompt is {length} tokens; this model holds at most {self.max_seq_len - 2}")
             logits, hidden = self._prefill(prompt, references, slot)
-        except InputError as exc:
+        except (InputError, torch.cuda.OutOfMemoryError) as exc:  # this request's own: it alone fails
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
             self._fail(request, exc)
             return
         request.length, request.max_new, request.computed = length, min(request.params.max_new_tokens, self.max_seq_len - length), 1

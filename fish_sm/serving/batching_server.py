@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
