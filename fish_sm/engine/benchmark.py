@@ -221,6 +221,9 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
                          "per_request_decode_frames_per_s_median": statistics.median(decode),
                          "stopped_early": sum(r.frames < frames // 2 for r in results),
                          "per_request_realtime_x_min": min(decode) / rate, "wall_s": wall}
+                # Where the wait goes: until admitted (queue), until the first frame, until first audio.
+                level["admitted_ms_p50"] = statistics.median(t.timings["queue"] * 1e3 for t in tickets)
+                level["first_frame_ms_p50"] = statistics.median(t.timings["first_frame"] * 1e3 for t in tickets)
                 if stream:
                     first = sorted(t.timings["first_audio"] * 1e3 for t in tickets)
                     level["first_audio_ms_p50"] = statistics.median(first)
