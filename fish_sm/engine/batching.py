@@ -224,7 +224,6 @@ class BatchEngine:
         step = GraphedStep(self.model, max_batch=self.slots)
         t0 = time.perf_counter()
         step.capture_all(self.batch_sizes)
-        step.capture_first_frame()
         self._step = step
         self._codec.capture(pieces=12)  # the rest of a long utterance's pieces are captured when first reached
         logger.info("batching: captured %d decode and %d codec graphs in %.1f s", len(step.graphs),
@@ -351,10 +350,7 @@ class BatchEngine:
         self.history[slot].zero_()
         temperature, top_p, penalty = self.sampling[:, slot : slot + 1]
         noise = torch.empty(1, self.noise.shape[1], device=self.device).exponential_(1, generator=request.generator)
-        if self._step is None:
-            frame = sample_frame(model, logits, hidden, None, noise, temperature, top_p, penalty)
-        else:
-            frame = self._step.first_frame(logits, hidden, noise, temperature, top_p, penalty).clone()
+        frame = sample_frame(model, logits, hidden, None, noise, temperature, top_p, penalty)
         self.current[slot] = frame[0]
         pending.append((request, request.chunk, 0, 0, HostCopy(frame)))
 

@@ -129,39 +129,6 @@ class GraphedStep:
             out = run()
         self.graphs[(batch, bucket)] = (graph, out)
 
-    @torch.inference_mode()
-    def capture_first_frame(self) -> None:
-        """The first frame of a prompt, sampled from its prefill's outputs (no penalty window):
-        one graph instead of the fast transformer's and the samplings' kernels one by one."""
-        model, c = self.model, self.model.config
-        dev, dtype = model.embeddings.weight.device, model.embeddings.weight.dtype
-        x = self.first_inputs = {
-            "logits": torch.zeros(1, c.semantic_vocab + 1, dtype=dtype, device=dev),
-            "hidden": torch.zeros(1, c.fast_dim, dtype=dtype, device=dev),
-            **{k: self.inputs[k][:1] for k in ("noise", "temperature", "top_p", "penalty")},
-        }
-        run = lambda: sample_frame(model, x["logits"], x["hidden"], None, x["noise"], x["temperature"], x["top_p"],
-                                   x["penalty"], probs_fn=self.probs_fn)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = run()
-        self.first = (graph, out)
-
-    def first_frame(self, logits, hidden, noise, temperature, top_p, penalty) -> Tensor:
-        """`sample_frame` after a prefill, replayed; [1, 1 + C] (the buffer the next replay reuses)."""
-        x = self.first_inputs
-        for name, value in (("logits", logits), ("hidden", hidden), ("noise", noise), ("temperature", temperature),
-                            ("top_p", top_p), ("penalty", penalty)):
-            x[name].copy_(value, non_blocking=True)
-        graph, out = self.first
-        graph.replay()
-        return out
-
     def capture_all(self, batches=(1,)) -> None:
         for batch in batches:
             for bucket in length_buckets(self.model.max_seq_len):
