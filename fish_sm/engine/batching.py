@@ -544,6 +544,9 @@ class CodecWorker:
         if kind == "cancel":
             self._streams.pop(key, None)
             return
+        if ticket.cancelled:  # frames handed over just before the cancel: nothing to keep for them
+            self._streams.pop(key, None)
+            return
         stream, frames, audio = self._streams.pop(key, None) or (CodecStream(), [], [])
         if kind == "frames":
             frames.append(codes)

@@ -140,7 +140,7 @@ class BatchingApp:
                 response_format(accept, requests[0])  # a contradicting Accept fails before any work
             try:  # JSON Lines: all lines at once; if one fails, the others are cancelled
                 async with asyncio.TaskGroup() as group:
-                    tasks = [group.create_task(self._whole(request, worker, r)) for r in requests]
+                    tasks = [group.create_task(self._whole(request, worker, r, wait_for_slot=jsonlines)) for r in requests]
             except* HTTPError as errors:
                 raise errors.exceptions[0] from None
             results = [t.result() for t in tasks]
@@ -154,24 +154,32 @@ class BatchingApp:
             logger.exception("request failed")
             return _error(HTTPError(500, "internal error; see the server log"))
 
-    async def _submit(self, worker: Worker, tts: TTSRequest, stream: bool):
+    async def _submit(self, request: web.Request, worker: Worker, tts: TTSRequest, stream: bool,
+                      wait_for_slot: bool = False):
         """Resolve the voice (encoding a zero-shot recording off the event loop), submit,
-        and return the ticket and the queue its events arrive on."""
+        and return the ticket and the queue its events arrive on. A full engine is a 503,
+        except for the lines of an accepted JSON Lines request (a Batch Transform payload
+        may hold more lines than there are slots): those wait for room while the client stays."""
         loop = asyncio.get_running_loop()
         reference = await loop.run_in_executor(None, resolve_reference, worker.model, tts)
         job = Job(tts.text, references=(reference,) if reference is not None else (), chunk_length=tts.chunk_length,
                   params=tts.sampling, stream=stream)
         events: asyncio.Queue = asyncio.Queue()
-        try:
-            ticket = worker.batcher.submit(job, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-        except Overloaded as exc:
-            raise Busy(str(exc), exc.retry_after_s) from None
-        except InputError as exc:
-            raise bad_request(str(exc)) from None
-        return ticket, events
+        while True:
+            try:
+                ticket = worker.batcher.submit(job, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+                return ticket, events
+            except Overloaded as exc:
+                if not wait_for_slot:
+                    raise Busy(str(exc), exc.retry_after_s) from None
+            except InputError as exc:
+                raise bad_request(str(exc)) from None
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client disconnected")
+            await asyncio.sleep(0.05)
 
-    async def _whole(self, request: web.Request, worker: Worker, tts: TTSRequest):
-        ticket, events = await self._submit(worker, tts, stream=False)
+    async def _whole(self, request: web.Request, worker: Worker, tts: TTSRequest, wait_for_slot: bool = False):
+        ticket, events = await self._submit(request, worker, tts, stream=False, wait_for_slot=wait_for_slot)
         pieces = []
         try:
             while True:
@@ -190,7 +198,7 @@ class BatchingApp:
         kind, fmt = response_format(accept, tts)
         if kind not in (AUDIO_TYPES["wav"], AUDIO_TYPES["pcm"]):
             raise HTTPError(406, f"a stream is answered in audio/wav or audio/pcm, not {kind}")
-        ticket, events = await self._submit(worker, tts, stream=True)
+        ticket, events = await self._submit(request, worker, tts, stream=True)
         rate = worker.model.engine.sample_rate
         response = None
         try:

@@ -160,3 +160,9 @@ def test_overload_is_503_at_once_and_a_disconnect_frees_the_slot(one_slot):
         time.sleep(0.05)
     status, _, _ = invoke(one_slot, {"text": "Now me.", "max_new_tokens": 2})
     assert status == 200
+
+
+def test_jsonlines_lines_wait_for_a_slot_instead_of_503(one_slot):
+    lines = "\n".join(json.dumps({"text": f"Line {i}.", "max_new_tokens": 3, "seed": i}) for i in range(5))
+    status, headers, body = invoke(one_slot, lines, "application/jsonlines", accept="application/jsonlines")
+    assert status == 200 and [json.loads(line)["frames"] for line in body.decode().splitlines()] == [3] * 5
