@@ -99,9 +99,13 @@ class BatchingApp:
     async def _load(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            # Each device loads in its own thread: /ping answers meanwhile.
-            self.workers = list(await asyncio.gather(*(
-                loop.run_in_executor(None, start_worker, self.model_dir, d, self.settings) for d in devices())))
+            # Off the event loop, so /ping answers meanwhile; one device after another, because
+            # torch.compile is not safe to run from several threads at once (later devices reuse
+            # the kernels the first one compiled, from inductor's cache).
+            workers = []
+            for device in devices():
+                workers.append(await loop.run_in_executor(None, start_worker, self.model_dir, device, self.settings))
+            self.workers = workers
         except Exception as exc:
             logger.exception("start-up failed")
             self.failed = f"{type(exc).__name__}: {exc}"
