@@ -41,8 +41,8 @@ from torch import Tensor
 from fish_sm.engine.codec_stream import CodecStream, StreamingCodec
 from fish_sm.engine.engine import (DEFAULT_CHUNK_LENGTH, Engine, Reference, Synthesis, check_text,
                                    request_generator)
-from fish_sm.engine.generate import (GraphedStep, HostCopy, attention_bucket, decode_frame, noise_size,
-                                     sample_frame)
+from fish_sm.engine.generate import (GraphedStep, HostCopy, attention_bucket, decode_frame, frame_budget,
+                                     noise_size, sample_frame)
 from fish_sm.engine.prompt import chunk_prompt, prompt_prefix
 from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
 from fish_sm.engine.text import split_text
@@ -337,15 +337,14 @@ class BatchEngine:
             prompt = chunk_prompt(self.engine.tokenizer, self.engine.config.num_codebooks, self.max_seq_len,
                                   references, request.previous, request.chunks[request.chunk])
             length = prompt.shape[1]
-            if length + 1 >= self.max_seq_len:
-                raise InputError(f"the prompt is {length} tokens; this model holds at most {self.max_seq_len - 2}")
+            max_new = frame_budget(length, self.max_seq_len, request.params.max_new_tokens)
             logits, hidden = self._prefill(prompt, references, slot)
         except (InputError, torch.cuda.OutOfMemoryError) as exc:  # this request's own: it alone fails
             if isinstance(exc, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
             self._fail(request, exc)
             return
-        request.length, request.max_new, request.computed = length, min(request.params.max_new_tokens, self.max_seq_len - length), 1
+        request.length, request.max_new, request.computed = length, max_new, 1
         request.finished_chunk, request.codes = False, []
         self.history[slot].zero_()
         temperature, top_p, penalty = self.sampling[:, slot : slot + 1]

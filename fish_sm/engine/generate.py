@@ -163,6 +163,13 @@ class HostCopy:
         return self.value
 
 
+def frame_budget(prompt_length: int, max_seq_len: int, max_new_tokens: int) -> int:
+    """How many frames may follow a prompt in a cache of `max_seq_len` slots."""
+    if prompt_length + 1 >= max_seq_len:
+        raise InputError(f"the prompt is {prompt_length} tokens; this model holds at most {max_seq_len - 2}")
+    return min(max_new_tokens, max_seq_len - prompt_length)
+
+
 @torch.inference_mode()
 def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingParams,
                     generator: torch.Generator | None = None, step: FrameFn | None = None) -> Iterator[Tensor]:
@@ -173,9 +180,7 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
     """
     device = model.embeddings.weight.device
     n_rows, length = prompt.shape
-    if length + 1 >= model.max_seq_len:
-        raise InputError(f"the prompt is {length} tokens; this model holds at most {model.max_seq_len - 2}")
-    max_new = min(params.max_new_tokens, model.max_seq_len - length)
+    max_new = frame_budget(length, model.max_seq_len, params.max_new_tokens)
     temperature, top_p, penalty = (t.view(1, 1) for t in params.tensors(device))
     n_noise = noise_size(model)
 
