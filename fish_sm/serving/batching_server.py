@@ -24,9 +24,9 @@ from aiohttp import web
 
 from fish_sm.engine.batching import BatchEngine, Job, Overloaded
 from fish_sm.engine.sampling import SamplingParams
-from fish_sm.errors import FishSMError, InputError
+from fish_sm.errors import InputError
 from fish_sm.serving import audio as audio_out
-from fish_sm.serving.errors import HTTPError, bad_request
+from fish_sm.serving.errors import HTTPError, bad_request, engine_error
 from fish_sm.serving.handler import Prediction, ServingModel, WARMUP_TEXT, load_model, output_fn, resolve_reference
 from fish_sm.serving.request import (AUDIO_TYPES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type, parse_body,
                                       response_format)
@@ -191,7 +191,7 @@ class BatchingApp:
                 if kind == "audio":
                     pieces.append(payload)
                 elif kind == "error":
-                    raise _http_error(payload)
+                    raise engine_error(payload)
                 else:
                     payload.audio = pieces[0] if pieces else np.zeros(0, np.float32)
                     return payload
@@ -210,7 +210,7 @@ class BatchingApp:
                 event, payload = await _next_event(request, events)
                 if event == "error":
                     if response is None:
-                        raise _http_error(payload)
+                        raise engine_error(payload)
                     logger.error("stream failed after it started: %s", payload)
                     break  # the status is sent: ending the body early is all that is left
                 if response is None:
@@ -245,21 +245,6 @@ async def _next_event(request: web.Request, events: asyncio.Queue):
         except asyncio.TimeoutError:
             if request.transport is None or request.transport.is_closing():
                 raise ConnectionResetError("the client disconnected") from None
-
-
-def _http_error(exc: Exception) -> HTTPError:
-    if isinstance(exc, HTTPError):
-        return exc
-    if isinstance(exc, InputError):
-        return bad_request(str(exc))
-    import torch
-
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return HTTPError(503, "the GPU ran out of memory for this request; retry, or send a shorter text or reference")
-    if isinstance(exc, FishSMError):
-        return HTTPError(503, str(exc))
-    logger.error("request failed: %r", exc)
-    return HTTPError(500, f"internal error: {type(exc).__name__}")
 
 
 def _error(exc: HTTPError) -> web.Response:

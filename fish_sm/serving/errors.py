@@ -28,6 +28,25 @@ def bad_request(message: str) -> HTTPError:
     return HTTPError(400, message)
 
 
+def engine_error(exc: Exception) -> HTTPError:
+    """The answer to a synthesis that failed: the request's own fault (400), the GPU's memory
+    (503: this request only; a retry or a shorter one may fit), the engine's state (503), or ours (500)."""
+    import torch
+
+    from fish_sm.errors import FishSMError, InputError
+
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, InputError):
+        return bad_request(str(exc))
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return HTTPError(503, "the GPU ran out of memory for this request; retry, or send a shorter text or reference")
+    if isinstance(exc, FishSMError):
+        return HTTPError(503, str(exc))
+    logger.error("request failed: %r", exc)
+    return HTTPError(500, f"internal error: {type(exc).__name__}")
+
+
 _PHRASES = {
     400: "Bad Request",
     403: "Forbidden",

@@ -20,7 +20,7 @@ from fish_sm.engine import Engine, Reference
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.compile_cache import CompileCache
-from fish_sm.serving.errors import HTTPError, bad_request
+from fish_sm.serving.errors import HTTPError, bad_request, engine_error
 from fish_sm.serving.request import (JSON, JSONLINES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type,
                                       parse_body, response_format)
 from fish_sm.serving.settings import Settings
@@ -146,12 +146,10 @@ def _synthesize(model: ServingModel, request: TTSRequest):
                                        temperature=request.sampling.temperature, top_p=request.sampling.top_p,
                                        repetition_penalty=request.sampling.repetition_penalty,
                                        max_new_tokens=request.sampling.max_new_tokens, seed=request.sampling.seed)
-    except InputError as exc:
-        raise bad_request(str(exc)) from None
-    except torch.cuda.OutOfMemoryError:
-        # Free what this request held, so the next one runs; fail only this one.
-        torch.cuda.empty_cache()
-        raise HTTPError(503, "the GPU ran out of memory for this request; retry, or send a shorter text or reference") from None
+    except (InputError, torch.cuda.OutOfMemoryError) as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()  # free what this request held, so the next one runs; fail only this one
+        raise engine_error(exc) from None
 
 
 def resolve_reference(model: ServingModel, request: TTSRequest) -> Reference | None:
