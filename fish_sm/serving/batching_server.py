@@ -178,8 +178,7 @@ class BatchingApp:
                     raise Busy(str(exc), exc.retry_after_s) from None
             except InputError as exc:
                 raise bad_request(str(exc)) from None
-            if request.transport is None or request.transport.is_closing():
-                raise ConnectionResetError("the client disconnected")
+            _check_client(request)
             await asyncio.sleep(0.05)
 
     async def _whole(self, request: web.Request, worker: Worker, tts: TTSRequest, wait_for_slot: bool = False):
@@ -243,8 +242,13 @@ async def _next_event(request: web.Request, events: asyncio.Queue):
         try:
             return await asyncio.wait_for(events.get(), timeout=0.5)
         except asyncio.TimeoutError:
-            if request.transport is None or request.transport.is_closing():
-                raise ConnectionResetError("the client disconnected") from None
+            _check_client(request)
+
+
+def _check_client(request: web.Request) -> None:
+    """ConnectionResetError once the client has gone (its request's finally frees the slot)."""
+    if request.transport is None or request.transport.is_closing():
+        raise ConnectionResetError("the client disconnected")
 
 
 def _error(exc: HTTPError) -> web.Response:
