@@ -517,20 +517,20 @@ class CodecWorker:
             self._queue.put(None)
             self._thread.join()
 
+    # Each queue item is a list of (kind, ticket, codes): a step's frames travel together.
     def frames(self, frames: list[tuple[Ticket, np.ndarray]]) -> None:
-        self._queue.put(("frames", None, frames))
+        self._queue.put([("frame", ticket, codes) for ticket, codes in frames])
 
     def finish(self, ticket: Ticket, codes: list[np.ndarray]) -> None:
-        self._queue.put(("finish", ticket, codes))
+        self._queue.put([("finish", ticket, codes)])
 
     def cancel(self, ticket: Ticket) -> None:
-        self._queue.put(("cancel", ticket, None))
+        self._queue.put([("cancel", ticket, None)])
 
     def _run(self) -> None:
         with torch.inference_mode(), self._on_stream():
-            while (item := self._queue.get()) is not None:
-                kind, ticket, codes = item
-                for ticket, codes in codes if kind == "frames" else [(ticket, codes)]:
+            while (items := self._queue.get()) is not None:
+                for kind, ticket, codes in items:
                     try:
                         self._handle(kind, ticket, codes)
                     except Exception as exc:
@@ -540,14 +540,11 @@ class CodecWorker:
 
     def _handle(self, kind: str, ticket: Ticket, codes) -> None:
         key = id(ticket)
-        if kind == "cancel":
-            self._streams.pop(key, None)
-            return
-        if ticket.cancelled:  # frames handed over just before the cancel: nothing to keep for them
+        if kind == "cancel" or ticket.cancelled:  # (frames may be handed over just before a cancel)
             self._streams.pop(key, None)
             return
         stream, frames, audio = self._streams.pop(key, None) or (CodecStream(), [], [])
-        if kind == "frames":
+        if kind == "frame":
             frames.append(codes)
             if len(frames) >= self.codec.next_frames(stream):
                 self._piece(ticket, stream, frames, audio)
