@@ -1,16 +1,19 @@
 """Engine benchmark: every speed figure of the engine in one run.
 
     python -m fish_sm.engine.benchmark CHECKPOINT [--modes eager,bf16,int8] [--frames 500] [--repeats 2]
-        [--cold-warm] [--json out.json]
+        [--cold-warm] [--batching 1,4,8,16,32,64 [--batching-frames 300] [--batching-modes bf16]
+        [--max-seq-len 2048]] [--json out.json]
 
 Per mode (eager bf16, compiled bf16, compiled INT8 weight-only): compile time, decode
 frames/s at batch 1, prefill of a ~1,000-token prompt, codec decode of 10 s of audio,
 time to first audio streaming a 20-word sentence with a reference voice, weight memory,
 and how closely the compiled step's logits follow the eager ones. `--cold-warm` also
 times `model_fn` twice in fresh processes: a first start compiling from nothing, then a
-start that reuses the kernel cache the first one wrote. Each figure is the median of
-`--repeats` runs. Random weights never stop early, so decode speed is steady. Use a GPU
-for figures you report.
+start that reuses the kernel cache the first one wrote. `--batching` measures the batching
+engine at each number of concurrent requests (see `batching_curve`). Each figure is the
+median of `--repeats` runs. Random weights seldom choose <|im_end|>, so runs are mostly as
+long as asked (the batching curve counts those that stopped early). Use a GPU for figures
+you report.
 """
 
 from __future__ import annotations
