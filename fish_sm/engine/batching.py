@@ -291,10 +291,10 @@ class BatchEngine:
                     arrivals = self._take_waiting()
                 try:
                     for request in arrivals:
-                        self._admit(request, pending)
-                    for request in list(self._active):
-                        if request.finished_chunk and not request.ticket.cancelled and request.chunk + 1 < len(request.chunks):
-                            self._prefill_next_chunk(request, pending)
+                        self._admit(request)
+                    # New requests and those moving on to their next chunk of text, prefilled together.
+                    self._start_chunks([r for r in self._active if r.finished_chunk and not r.ticket.cancelled
+                                        and r.chunk + 1 < len(r.chunks)], pending)
                     step = self._decode_step()
                     pending = self._check(pending, step)
                 except Exception as exc:  # a failure of the shared step fails every request in it
@@ -322,57 +322,101 @@ class BatchEngine:
             taken.append(request)
         return taken
 
-    def _admit(self, request: _Request, pending: list) -> None:
+    def _admit(self, request: _Request) -> None:
         request.ticket.timings["queue"] = time.perf_counter() - request.ticket.submitted
         p = request.params
         self.sampling[:, request.slot] = torch.stack(p.tensors("cpu")).view(3, 1).to(self.device)
-        self._prefill_next_chunk(request, pending)
 
-    def _prefill_next_chunk(self, request: _Request, pending: list) -> None:
-        """Prefill the request's next chunk into its slot and sample that chunk's first frame."""
-        job, model, slot = request.ticket.job, self.model, request.slot
-        request.chunk += 1
-        references = [(r.text, r.codes) for r in job.references]
-        try:
-            prompt = chunk_prompt(self.engine.tokenizer, self.engine.config.num_codebooks, self.max_seq_len,
-                                  references, request.previous, request.chunks[request.chunk])
-            length = prompt.shape[1]
-            max_new = frame_budget(length, self.max_seq_len, request.params.max_new_tokens)
-            logits, hidden = self._prefill(prompt, references, slot)
-        except (InputError, torch.cuda.OutOfMemoryError) as exc:  # this request's own: it alone fails
-            if isinstance(exc, torch.cuda.OutOfMemoryError):
+    def _start_chunks(self, requests: list[_Request], pending: list) -> None:
+        """Prefill each request's next chunk into its slot and sample that chunk's first frame:
+        the prompts padded into batches of at most `PREFILL_TOKENS`, each one prefill and one
+        first-frame replay. A request whose prompt fails fails alone, after the others started
+        (retiring it moves another request's slot)."""
+        failed, ready = [], []
+        for request in requests:
+            request.chunk += 1
+            try:
+                prompt = chunk_prompt(self.engine.tokenizer, self.engine.config.num_codebooks, self.max_seq_len,
+                                      self._references(request), request.previous, request.chunks[request.chunk])
+                max_new = frame_budget(prompt.shape[1], self.max_seq_len, request.params.max_new_tokens)
+                start = self._reuse_prefix(request, prompt)
+            except (InputError, torch.cuda.OutOfMemoryError) as exc:
+                failed.append((request, exc))
+                continue
+            request.length, request.max_new, request.computed = prompt.shape[1], max_new, 1
+            request.finished_chunk, request.codes = False, []
+            ready.append((request, prompt, start))
+        ready.sort(key=lambda item: item[1].shape[1] - item[2])
+        for group in _prefill_groups(ready):
+            try:
+                self._prefill_batch(group, pending)
+            except torch.cuda.OutOfMemoryError as exc:
                 torch.cuda.empty_cache()
+                if len(group) == 1:
+                    failed.append((group[0][0], exc))
+                    continue
+                for item in group:  # one at a time, each failing on its own
+                    try:
+                        self._prefill_batch([item], pending)
+                    except torch.cuda.OutOfMemoryError as exc:
+                        torch.cuda.empty_cache()
+                        failed.append((item[0], exc))
+        for request, exc in failed:
             self._fail(request, exc)
-            return
-        request.length, request.max_new, request.computed = length, max_new, 1
-        request.finished_chunk, request.codes = False, []
-        self.history[slot].zero_()
-        temperature, top_p, penalty = self.sampling[:, slot : slot + 1]
-        noise = torch.empty(1, self.noise.shape[1], device=self.device).exponential_(1, generator=request.generator)
-        frame = sample_frame(model, logits, hidden, None, noise, temperature, top_p, penalty)
-        self.current[slot] = frame[0]
-        pending.append((request, request.chunk, 0, 0, HostCopy(frame)))
 
-    def _prefill(self, prompt: Tensor, references: list[tuple[str, Tensor]], slot: int) -> tuple[Tensor, Tensor]:
+    def _references(self, request: _Request) -> list[tuple[str, Tensor]]:
+        return [(r.text, r.codes) for r in request.ticket.job.references]
+
+    def _reuse_prefix(self, request: _Request, prompt: Tensor) -> int:
+        """Put the KV cache of the prompt's reference part into the request's slot (from the
+        prefix cache, or computed and kept there); returns how many positions it covers."""
+        references = self._references(request)
+        if not references:
+            return 0
+        model, slot = self.model, request.slot
+        key = tuple((text, hashlib.sha256(codes.numpy().tobytes()).hexdigest()) for text, codes in references)
+        kv = self.prefixes.get(key)
+        if kv is None:
+            prefix = prompt_prefix(self.engine.tokenizer, self.engine.config.num_codebooks, references)
+            n = prefix.shape[1]
+            model.forward_slow(prefix.to(self.device)[None], model.positions[:n], n, row=slot)
+            kv = [(b.attention.kv_cache.k[slot, :, :n].clone(), b.attention.kv_cache.v[slot, :, :n].clone())
+                  for b in model.layers]
+            self.prefixes.put(key, kv)
+        else:
+            for block, (k, v) in zip(model.layers, kv):
+                block.attention.kv_cache.k[slot, :, : k.shape[1]] = k
+                block.attention.kv_cache.v[slot, :, : v.shape[1]] = v
+        return kv[0][0].shape[1]
+
+    def _prefill_batch(self, group: list[tuple[_Request, Tensor, int]], pending: list) -> None:
+        """One prefill for several prompts (each from its own start position, in its own slot,
+        padded at the end to the longest), then their first frames in one replay."""
         model, dev = self.model, self.device
-        length, start = prompt.shape[1], 0
-        if references:
-            key = tuple((text, hashlib.sha256(codes.numpy().tobytes()).hexdigest()) for text, codes in references)
-            kv = self.prefixes.get(key)
-            if kv is None:
-                prefix = prompt_prefix(self.engine.tokenizer, self.engine.config.num_codebooks, references)
-                n = prefix.shape[1]
-                model.forward_slow(prefix.to(dev)[None], model.positions[:n], n, row=slot)
-                kv = [(b.attention.kv_cache.k[slot, :, :n].clone(), b.attention.kv_cache.v[slot, :, :n].clone())
-                      for b in model.layers]
-                self.prefixes.put(key, kv)
-            else:
-                for block, (k, v) in zip(model.layers, kv):
-                    block.attention.kv_cache.k[slot, :, : k.shape[1]] = k
-                    block.attention.kv_cache.v[slot, :, : v.shape[1]] = v
-            start = kv[0][0].shape[1]
-        rest = prompt[:, start:].to(dev)[None]
-        return model.forward_slow(rest, model.positions[start:length], length, row=slot)
+        requests = [r for r, _, _ in group]
+        rests = [prompt[:, start:] for _, prompt, start in group]
+        width = max(rest.shape[1] for rest in rests)
+        tokens = torch.stack([torch.cat([rest, rest[:, -1:].expand(-1, width - rest.shape[1])], dim=1) for rest in rests])
+        starts = torch.tensor([start for _, _, start in group])
+        positions = (starts[:, None] + torch.arange(width)).clamp(max=self.max_seq_len - 1)  # padding: after each prompt
+        last = torch.tensor([rest.shape[1] - 1 for rest in rests])
+        rows = torch.tensor([r.slot for r in requests])
+        live = max(r.length for r in requests)
+        logits, hidden = model.forward_slow(tokens.to(dev), positions.to(dev), live, key_pos=model.positions[:live],
+                                            row=rows.to(dev), last=last.to(dev))
+        rows = rows.to(dev)
+        self.history[rows] = 0
+        temperature, top_p, penalty = self.sampling[:, rows]
+        noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
+                             for r in requests])
+        if self._step is None:
+            frames = sample_frame(model, logits, hidden, None, noise, temperature, top_p, penalty)
+        else:
+            frames = self._step.first_frame(logits, hidden, noise, temperature, top_p, penalty).clone()
+        self.current[rows] = frames
+        copy = HostCopy(frames)
+        for i, request in enumerate(requests):
+            pending.append((request, request.chunk, 0, i, copy))
 
     def _decode_step(self):
         """Queue one frame for every request that still wants one; returns what `_check` needs."""
@@ -480,6 +524,22 @@ class BatchEngine:
         self.current[slot] = self.current[src]
         self.sampling[:, slot] = self.sampling[:, src]
         request.slot = slot
+
+
+# Padded prompt tokens prefilled together: 32 short requests in one prefill, a few long ones.
+PREFILL_TOKENS = 4096
+
+
+def _prefill_groups(ready: list) -> list[list]:
+    """Consecutive runs of (request, prompt, start), shortest rest first, whose padded size stays within PREFILL_TOKENS."""
+    groups, group = [], []
+    for item in ready:
+        width = item[1].shape[1] - item[2]
+        if group and width * (len(group) + 1) > PREFILL_TOKENS:
+            groups.append(group)
+            group = []
+        group.append(item)
+    return groups + [group] if group else groups
 
 
 def batch_sizes(slots: int) -> list[int]:

@@ -32,7 +32,7 @@ from datetime import date
 import torch
 
 from fish_sm.engine import Engine, Reference, SamplingParams
-from fish_sm.engine.generate import attention_bucket, decode_frame, generate_frames, noise_size
+from fish_sm.engine.generate import GraphedStep, attention_bucket, decode_frame, generate_frames, noise_size
 from fish_sm.engine.sampling import PENALTY_WINDOW
 from fish_sm.engine.prompt import build_prompt
 
@@ -121,9 +121,12 @@ def measure(engine: Engine, frames: int, repeats: int, prompt_tokens: int) -> di
     short = build_prompt(engine.tokenizer, model.config.num_codebooks, [], BATCH_TEXTS[1])  # as the batching curve's
     params = SamplingParams(max_new_tokens=frames, seed=0)
 
-    def prefill():
+    def prefill():  # as the engine runs it: replayed from a captured graph when compiled on a GPU
         with torch.inference_mode():
-            model.forward_slow(prompt.to(dev)[None], torch.arange(prompt.shape[1], device=dev), prompt.shape[1])
+            if isinstance(engine._step, GraphedStep):
+                engine._step.prefill(prompt)
+            else:
+                model.forward_slow(prompt.to(dev)[None], torch.arange(prompt.shape[1], device=dev), prompt.shape[1])
 
     def decode(prompt=prompt) -> float:
         t, n = time.perf_counter(), 0
@@ -164,7 +167,87 @@ def measure(engine: Engine, frames: int, repeats: int, prompt_tokens: int) -> di
     }
 
 
-def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_tokens: int, device: str) -> dict:
+def kernel_profile(run, calls: int, device: torch.device, top: int = 25) -> dict:
+    """What the GPU runs for `calls` calls of `run`: kernels per call, their summed time per
+    call, and the kernels that take most of it (CUDA; a profile of the same work outside
+    the CUDA graphs, whose kernels are the same ones)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        _sync(device)
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"kernels_per_call": sum(len(v) for v in kernels.values()) / calls,
+            "kernel_ms_per_call": total / calls / 1e3,
+            "top": [{"name": n[:90], "per_call": len(v) / calls, "us_per_call": sum(v) / calls,
+                     "share": sum(v) / total} for n, v in ranked]}
+
+
+def profile_decode(engine: Engine, batch: int, live: int, calls: int = 20) -> dict:
+    """One decode step of `batch` rows at `live` cache slots: its kernels (see
+    `kernel_profile`) and the time of its CUDA graph replay (CUDA, compiled engines)."""
+    model, dev = engine.model, engine.device
+    step = engine._step
+    rows = 1 + model.config.num_codebooks
+    params = SamplingParams(seed=0)
+    t, p, r = (x.view(1, 1).expand(batch, 1).contiguous() for x in params.tensors(dev))
+    frame = torch.zeros(batch, rows, dtype=torch.long, device=dev)
+    frame[:, 0] = model.semantic_begin_id
+    pos = torch.full((batch,), live - 1, device=dev)
+    window = torch.zeros(batch, rows, PENALTY_WINDOW, dtype=torch.long, device=dev)
+    noise = torch.empty(batch, noise_size(model), device=dev).exponential_(1)
+    key_pos = model.positions[: attention_bucket(model.max_seq_len, live)]
+    args = (model, frame, pos, window, noise, t, p, r)
+    with torch.inference_mode():
+        out = kernel_profile(lambda: decode_frame(*args, key_pos=key_pos, probs_fn=step.probs_for(batch)), calls, dev)
+        replay = lambda: step(*args, key_pos=key_pos)
+        replay()
+        out["graph_ms_per_call"] = statistics.median(_timed(replay, dev) * 1e3 for _ in range(calls))
+    out.update(batch=batch, live=live)
+    return out
+
+
+def profile_prefill(engine: Engine, prompt_tokens: int, calls: int = 5) -> dict:
+    """The prefill of a ~`prompt_tokens` prompt (a reference voice and a sentence)."""
+    model, dev = engine.model, engine.device
+    voice = reference_voice(engine, max(1, prompt_tokens - 60))
+    prompt = build_prompt(engine.tokenizer, model.config.num_codebooks, [(voice.text, voice.codes)], SENTENCE).to(dev)
+    n = prompt.shape[1]
+    with torch.inference_mode():
+        return kernel_profile(lambda: model.forward_slow(prompt[None], model.positions[:n], n), calls, dev)
+
+
+def profile_admission(engine: Engine, calls: int = 5) -> dict:
+    """A request's admission in the batching engine: prefill of a short prompt, then its first frame."""
+    from fish_sm.engine.generate import sample_frame
+
+    model, dev = engine.model, engine.device
+    prompt = build_prompt(engine.tokenizer, model.config.num_codebooks, [], BATCH_TEXTS[1]).to(dev)
+    n = prompt.shape[1]
+    t, p, r = (x.view(1, 1) for x in SamplingParams(seed=0).tensors(dev))
+    noise = torch.empty(1, noise_size(model), device=dev).exponential_(1)
+
+    def admit():
+        logits, hidden = model.forward_slow(prompt[None], model.positions[:n], n)
+        return sample_frame(model, logits, hidden, None, noise, t, p, r)
+
+    with torch.inference_mode():
+        out = kernel_profile(admit, calls, dev)
+        out["wall_ms_per_call"] = statistics.median(_timed(admit, dev) * 1e3 for _ in range(calls))
+    out["prompt_tokens"] = n
+    return out
+
+
+def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_tokens: int, device: str,
+             profile: bool = False) -> dict:
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -180,6 +263,9 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
         out["compile_s"] = _timed(engine.compile, dev)
     out.update(measure(engine, frames if mode != "eager" else min(frames, 100), repeats, prompt_tokens))
     out["realtime_x"] = out["decode_frames_per_s"] * engine.frame_length / engine.sample_rate
+    if profile and mode != "eager" and dev.type == "cuda":
+        out["profile"] = profile_decode(engine, 1, 1100)
+        out["prefill_profile"] = profile_prefill(engine, prompt_tokens)
     if mode != "eager":
         prompt = build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE)
         out["compiled_vs_eager"] = compare_compiled_to_eager(engine, prompt)
@@ -190,7 +276,8 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
 
 
 
-def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, max_seq_len: int, device: str) -> dict:
+def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, max_seq_len: int, device: str,
+                   profile: bool = False) -> dict:
     """The batching engine at each number of concurrent requests, all submitted at once,
     each `frames` long (random weights do not stop early): aggregate frames/s, each
     request's decode rate (first to last frame), time to first audio p50/p95 when streaming;
@@ -204,7 +291,14 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0)
     out = {"mode": mode, "slots": batcher.slots, "max_seq_len": max_seq_len, "frames_per_request": frames}
     out["compile_s"] = _timed(batcher.compile, dev)
-    out["codec_pieces_vs_whole_max_abs"] = _codec_pieces_check(engine, batcher._codec.codec)
+    out["codec_pieces_vs_whole_max_abs"], out["codec_pieces_frames_per_s"] = _codec_pieces_check(engine, batcher._codec.codec)
+    if profile and dev.type == "cuda":
+        engine._step = batcher._step
+        out["profile"] = [profile_decode(engine, b, 300) for b in batcher.batch_sizes]
+        out["admission_profile"] = profile_admission(engine)
+        engine._step = None
+        for level in out["profile"]:
+            print(json.dumps({k: v for k, v in level.items() if k != "top"}), flush=True)
     rate = engine.sample_rate / engine.frame_length
     levels = []
     with batcher:
@@ -237,13 +331,17 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     return out
 
 
-def _codec_pieces_check(engine: Engine, pieces) -> float:
-    """Largest difference between a 300-frame decode in scheduled pieces (graphs on CUDA) and in one piece."""
+def _codec_pieces_check(engine: Engine, pieces) -> tuple[float, float]:
+    """A 300-frame decode in scheduled pieces (graphs on CUDA): its largest difference from
+    the same codes decoded in one piece, and its speed in frames/s (the codec's ceiling on
+    what the batching engine can turn into audio)."""
     from fish_sm.engine.codec_stream import decode_in_pieces
 
     codes = torch.randint(0, 1024, (1, engine.config.num_codebooks, 300), generator=torch.Generator().manual_seed(3)).to(engine.device)
     with torch.inference_mode():
-        return (decode_in_pieces(pieces, codes) - engine.codec.decode(codes)).abs().max().item()
+        diff = (decode_in_pieces(pieces, codes) - engine.codec.decode(codes)).abs().max().item()
+        seconds = statistics.median(_timed(lambda: decode_in_pieces(pieces, codes), engine.device) for _ in range(3))
+    return diff, codes.shape[-1] / seconds
 
 
 COLD_WARM = """
@@ -284,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batching-frames", type=int, default=300, help="frames per request in --batching")
     p.add_argument("--batching-modes", default="bf16", help="weights for --batching: bf16, int8 or both")
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request in --batching")
+    p.add_argument("--profile", action="store_true", help="also profile the decode step's kernels (CUDA)")
     p.add_argument("--json", help="write the report here too")
     a = p.parse_args(argv)
     report = {
@@ -298,13 +397,13 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(report, f, indent=2)
 
     for mode in filter(None, a.modes.split(",")):
-        report["modes"].append(run_mode(a.checkpoint, mode, a.frames, a.repeats, a.prompt_tokens, a.device))
+        report["modes"].append(run_mode(a.checkpoint, mode, a.frames, a.repeats, a.prompt_tokens, a.device, a.profile))
         save(report["modes"][-1])
     if a.batching:
         streams = [int(n) for n in a.batching.split(",")]
         for mode in a.batching_modes.split(","):
             report.setdefault("batching", []).append(
-                batching_curve(a.checkpoint, mode, streams, a.batching_frames, a.max_seq_len, a.device))
+                batching_curve(a.checkpoint, mode, streams, a.batching_frames, a.max_seq_len, a.device, a.profile))
             save(report["batching"][-1])
     if a.cold_warm:
         report["model_fn"] = cold_warm(a.checkpoint, "int8" if "int8" in a.modes else "none")

@@ -125,12 +125,13 @@ class Engine:
         """Make a decode frame (slow step, all fast steps, all sampling) one launch.
 
         On a GPU the frame is captured as CUDA graphs, one per attention-length bucket,
-        all captured here; elsewhere it is compiled with torch.compile. Either way it
+        all captured here, with the prefill (one per prompt-length bucket) and the first
+        frame after it; elsewhere it is compiled with torch.compile. Either way it
         happens now, not on the first request.
         """
         if self.device.type == "cuda":
             step = GraphedStep(self.model)
-            step.capture_all()
+            step.capture_all(prefill=True)
             self._step = step
         else:
             self._step = torch.compile(decode_frame, fullgraph=True)

@@ -13,6 +13,7 @@ or compiled with torch.compile.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterator
 
 import torch
@@ -84,6 +85,18 @@ def attention_bucket(max_seq_len: int, live: int) -> int:
     return min(max_seq_len, -(-live // LIVE_BUCKET) * LIVE_BUCKET)
 
 
+def prefill_bucket(max_seq_len: int, length: int) -> int:
+    """The prompt positions a captured prefill runs for `length`: the next multiple of 128
+    up to 1,024 tokens, of 512 up to 4,096, then of 1,024: 18 graphs for 8,192 positions,
+    each prompt padded by less than half its length (less than 128 tokens up to 1,024)."""
+    step = 128 if length <= 1024 else 512 if length <= 4096 else 1024
+    return min(max_seq_len, -(-length // step) * step)
+
+
+def prefill_buckets(max_seq_len: int) -> list[int]:
+    return sorted({prefill_bucket(max_seq_len, n) for n in range(1, max_seq_len)})
+
+
 def length_buckets(max_seq_len: int) -> list[int]:
     return sorted({attention_bucket(max_seq_len, live) for live in range(LIVE_BUCKET, max_seq_len + LIVE_BUCKET, LIVE_BUCKET)})
 
@@ -91,7 +104,8 @@ def length_buckets(max_seq_len: int) -> list[int]:
 class GraphedStep:
     """`decode_frame` replayed from CUDA graphs, one per (batch size, attention bucket), so a
     frame is a single launch of all its kernels with no Python or launch overhead between
-    them. Inputs are copied into static buffers (the first B rows of buffers sized for
+    them; likewise the first frame after a prefill and (one row) the prefill itself.
+    Inputs are copied into static buffers (the first B rows of buffers sized for
     `max_batch`); the output buffer is reused by the next replay (callers clone it)."""
 
     def __init__(self, model: DualARTransformer, max_batch: int = 1):
@@ -100,7 +114,9 @@ class GraphedStep:
         # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels;
         # the graphs then replay those kernels.
         model.compile_layers(dynamic_batch=max_batch > 1)
-        self.probs_fn = torch.compile(logits_to_probs, fullgraph=True, dynamic=None if max_batch > 1 else False)
+        # One row: the residual codebooks' nucleus without a sort (see sampling.PAIRWISE_MAX_VOCAB).
+        self.probs_one = torch.compile(functools.partial(logits_to_probs, sort_free=True), fullgraph=True, dynamic=False)
+        self.probs_many = torch.compile(logits_to_probs, fullgraph=True, dynamic=None)
         self.inputs = {
             "frame": torch.zeros(max_batch, rows, dtype=torch.long, device=dev),
             "input_pos": torch.zeros(max_batch, dtype=torch.long, device=dev),
@@ -111,14 +127,96 @@ class GraphedStep:
             "penalty": torch.ones(max_batch, 1, device=dev),
         }
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        # (batch, bucket): decode steps; ("first", batch): first frames; ("prefill", bucket): prefills
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
     @torch.inference_mode()  # as every replay runs: one grad mode, one set of compiled graphs
     def capture(self, batch: int, bucket: int) -> None:
         model, x = self.model, {k: v[:batch] for k, v in self.inputs.items()}
         x["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
-        run = lambda: decode_frame(model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"],
-                                   x["top_p"], x["penalty"], key_pos=model.positions[:bucket], probs_fn=self.probs_fn)
+        self.graphs[(batch, bucket)] = self._capture(lambda: decode_frame(
+            model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"], x["top_p"], x["penalty"],
+            key_pos=model.positions[:bucket], probs_fn=self.probs_for(batch)))
+
+    def probs_for(self, batch: int):
+        return self.probs_one if batch == 1 else self.probs_many
+
+    def capture_all(self, batches=(1,), prefill: bool = False) -> None:
+        """Every decode step and first frame of these batch sizes; with `prefill`, the
+        one-row prefill of every prompt-length bucket too (the sequential engine)."""
+        for batch in batches:
+            for bucket in length_buckets(self.model.max_seq_len):
+                self.capture(batch, bucket)
+            self.capture_first(batch)
+        if prefill:
+            for bucket in prefill_buckets(self.model.max_seq_len):
+                self.capture_prefill(bucket)
+
+    @torch.inference_mode()
+    def capture_first(self, batch: int) -> None:
+        """The first frame after a prefill, sampled from its outputs without a penalty
+        window, for `batch` prompts at once: one replay instead of ~1,400 kernels launched
+        one by one (each chunk's first frame; the batching engine's admissions)."""
+        model, c = self.model, self.model.config
+        weight = model.embeddings.weight
+        if not hasattr(self, "first_inputs"):
+            rows = self.inputs["frame"].shape[0]
+            self.first_inputs = {
+                "logits": torch.zeros(rows, c.semantic_vocab + 1, dtype=weight.dtype, device=weight.device),
+                "hidden": torch.zeros(rows, c.fast_dim, dtype=weight.dtype, device=weight.device),
+                **{k: self.inputs[k] for k in ("noise", "temperature", "top_p", "penalty")},
+            }
+        x = {k: v[:batch] for k, v in self.first_inputs.items()}
+        self.graphs[("first", batch)] = self._capture(lambda: sample_frame(
+            model, x["logits"], x["hidden"], None, x["noise"], x["temperature"], x["top_p"], x["penalty"],
+            probs_fn=self.probs_for(batch)))
+
+    def first_frame(self, logits, hidden, noise, temperature, top_p, penalty) -> Tensor:
+        """`sample_frame` after a prefill (no window) for B rows, replayed from the smallest
+        captured batch that holds them; [B, 1 + C], valid until the next replay."""
+        batch = logits.shape[0]
+        sizes = [b for kind, b in self.graphs if kind == "first" and b >= batch]
+        if not sizes:
+            return sample_frame(self.model, logits, hidden, None, noise, temperature, top_p, penalty)
+        x = self.first_inputs
+        for name, value in (("logits", logits), ("hidden", hidden), ("noise", noise), ("temperature", temperature),
+                            ("top_p", top_p), ("penalty", penalty)):
+            x[name][:batch].copy_(value, non_blocking=True)
+        graph, out = self.graphs[("first", min(sizes))]
+        graph.replay()
+        return out[:batch]
+
+    @torch.inference_mode()
+    def capture_prefill(self, bucket: int) -> None:
+        """A one-row prefill of `bucket` positions from 0, the prompt padded at its end (the
+        padding's keys land after the prompt, where decoding overwrites them before any
+        query may see them): its ~1,900 kernels without the Python between them."""
+        model = self.model
+        if not hasattr(self, "prefill_inputs"):
+            dev = model.embeddings.weight.device
+            self.prefill_inputs = {"tokens": torch.zeros(1, 1 + model.config.num_codebooks, model.max_seq_len,
+                                                         dtype=torch.long, device=dev),
+                                   "last": torch.zeros(1, dtype=torch.long, device=dev)}
+        x = self.prefill_inputs
+        self.graphs[("prefill", bucket)] = self._capture(lambda: model.forward_slow(
+            x["tokens"][:, :, :bucket], model.positions[:bucket], bucket, last=x["last"]))
+
+    def prefill(self, prompt: Tensor) -> tuple[Tensor, Tensor]:
+        """`forward_slow` over a whole prompt [1 + C, T] in cache row 0: the head's logits and
+        the fast transformer's input for its last position (graph outputs, valid until the
+        next replay), replayed when its bucket was captured."""
+        model, length = self.model, prompt.shape[1]
+        entry = self.graphs.get(("prefill", prefill_bucket(model.max_seq_len, length)))
+        if entry is None:
+            return model.forward_slow(prompt.to(model.positions.device)[None], model.positions[:length], length)
+        x = self.prefill_inputs
+        x["tokens"][0, :, :length].copy_(prompt, non_blocking=True)
+        x["last"].fill_(length - 1)
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture(self, run: Callable[[], Tensor]) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -127,12 +225,7 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = run()
-        self.graphs[(batch, bucket)] = (graph, out)
-
-    def capture_all(self, batches=(1,)) -> None:
-        for batch in batches:
-            for bucket in length_buckets(self.model.max_seq_len):
-                self.capture(batch, bucket)
+        return graph, out
 
     def __call__(self, model, frame, input_pos, window, noise, temperature, top_p, penalty, key_pos) -> Tensor:
         x, batch = self.inputs, frame.shape[0]
@@ -187,8 +280,12 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
     def noise() -> Tensor:
         return torch.empty(1, n_noise, device=device).exponential_(1, generator=generator)
 
-    logits, hidden = model.forward_slow(prompt.to(device)[None], torch.arange(length, device=device), length)
-    frame = sample_frame(model, logits, hidden, None, noise(), temperature, top_p, penalty)[0]
+    if isinstance(step, GraphedStep):
+        logits, hidden = step.prefill(prompt)
+        frame = step.first_frame(logits, hidden, noise(), temperature, top_p, penalty)[0].clone()
+    else:
+        logits, hidden = model.forward_slow(prompt.to(device)[None], torch.arange(length, device=device), length)
+        frame = sample_frame(model, logits, hidden, None, noise(), temperature, top_p, penalty)[0]
     history = torch.zeros(n_rows, max(max_new, PENALTY_WINDOW), dtype=torch.long, device=device)
     input_pos = torch.tensor([length], device=device)
     token = HostCopy(frame[:1])

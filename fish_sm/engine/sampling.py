@@ -68,18 +68,45 @@ def apply_repetition_penalty(logits: Tensor, previous: Tensor, penalty: Tensor) 
 
 
 def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, repetition_penalty: Tensor,
-                    previous: Tensor | None = None) -> Tensor:
-    """logits [..., V] (float32) -> probabilities [..., V]."""
+                    previous: Tensor | None = None, sort_free: bool = False) -> Tensor:
+    """logits [..., V] (float32) -> probabilities [..., V]. `sort_free`: find the nucleus of
+    rows of at most PAIRWISE_MAX_VOCAB logits without a sort (the same tokens up to rounding
+    at the top_p boundary; the compiled sequential engine, where it is faster)."""
     logits = logits.float()
     if previous is not None:
         logits = apply_repetition_penalty(logits, previous, repetition_penalty)
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-    cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
-    drop_sorted = cum > top_p
-    drop_sorted[..., 0].fill_(False)  # always keep the most likely token (fill_: no host tensor, graph-safe)
-    drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
+    pairwise = sort_free and logits.shape[-1] <= PAIRWISE_MAX_VOCAB
+    drop = _top_p_drop_pairwise(logits, top_p) if pairwise else _top_p_drop_sorted(logits, top_p)
     logits = logits.masked_fill(drop, float("-inf")) / torch.clamp(temperature, min=1e-5)
     return torch.softmax(logits, dim=-1)
+
+
+# Top-p by comparing every pair of logits costs V² work per row but no sort. On an H100 it
+# takes the residual codebooks' 1,024 logits from 34 to 9 µs at batch 1, but 38 becomes 52 µs
+# at 32 rows; the head's 4,097 stay with the sort (67 against 54 µs).
+PAIRWISE_MAX_VOCAB = 1024
+
+
+def _top_p_drop_sorted(logits: Tensor, top_p: Tensor) -> Tensor:
+    """Upstream's nucleus: sort descending, drop where the running probability passes top_p
+    (the most likely token always stays)."""
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True, stable=True)
+    cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    drop_sorted = cum > top_p
+    drop_sorted[..., 0].fill_(False)  # (fill_: no host tensor, graph-safe)
+    return torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
+
+
+def _top_p_drop_pairwise(logits: Tensor, top_p: Tensor) -> Tensor:
+    """The same set without a sort: a token's running probability is the mass of the tokens
+    ranked before it (a larger logit, or an equal one at a lower index: the stable sort's
+    order) plus its own."""
+    p = torch.softmax(logits, dim=-1)
+    index = torch.arange(logits.shape[-1], device=logits.device)
+    mine, theirs = logits[..., :, None], logits[..., None, :]
+    before = (theirs > mine) | ((theirs == mine) & (index[None, :] < index[:, None]))
+    mass = (before * p[..., None, :]).sum(-1)
+    return (mass + p > top_p) & before.any(-1)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:

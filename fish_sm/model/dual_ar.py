@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fish_sm.errors import CheckpointError
 from fish_sm.model.config import ModelConfig
@@ -36,9 +37,15 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, live: int, row: int = 0) -> tuple[Tensor, Tensor]:
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, live: int, row: int | Tensor = 0) -> tuple[Tensor, Tensor]:
         """Write k/v [B, heads, S, head_dim] at `input_pos` ([S] shared, or [B, S] per row);
-        return the first `live` slots of the B rows (everything attendable)."""
+        return the first `live` slots of the B rows (everything attendable). `row`: the
+        batch's first cache row (rows row..row+B-1), or a tensor [B] of any cache rows
+        (with input_pos [B, S]: a batched prefill into scattered slots)."""
+        if isinstance(row, Tensor):
+            self.k[row[:, None], :, input_pos] = k.transpose(1, 2)
+            self.v[row[:, None], :, input_pos] = v.transpose(1, 2)
+            return self.k[row, :, :live], self.v[row, :, :live]
         kc, vc = self.k[row : row + k.shape[0]], self.v[row : row + k.shape[0]]
         if input_pos.dim() == 1:
             kc[:, :, input_pos] = k
@@ -78,12 +85,20 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, live: int, mask: Tensor | None,
-               row: int = 0) -> Tensor:
+               row: int | Tensor = 0) -> Tensor:
         """Write k/v to the cache, attend over its first `live` slots; [B, S, heads * head_dim]."""
-        bsz, _, seqlen, _ = q.shape
         k, v = self.kv_cache.update(input_pos, k, v, live, row)
+        return self.over(q, k, v, input_pos, live, mask)
+
+    def over(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
+        """Attention over k/v already in the cache (its first `live` slots)."""
+        bsz, _, seqlen, _ = q.shape
         gqa = self.n_head != self.n_local_heads
-        if mask is not None:
+        if mask is not None and seqlen > 1:  # a batch of prompts, each from its own position
+            # Not cuDNN: it builds a plan for every new shape, and prompt lengths vary (~1 s each on an H100).
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif seqlen == live:  # a prefill from position 0: plain causal attention
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -118,21 +133,36 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(dim, eps)
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None,
-                row: int = 0) -> Tensor:
-        # A decode step runs the compiled halves (see DualARTransformer.compile_layers) when there
-        # are some; the cache write and attention between them always run as they are.
-        pre, post = self.compiled if self.compiled is not None and x.shape[1] == 1 else self._halves
-        q, k, v = pre(self, x, rope)
-        return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask, row))
+                row: int | Tensor = 0) -> Tensor:
+        if self.compiled is not None and x.shape[1] == 1 and isinstance(row, int) and row == 0:
+            # A decode step: the compiled halves (see DualARTransformer.compile_layers); the
+            # first also writes the step's k/v into the cache, attention runs between them.
+            pre, post = self.compiled
+            q = pre(self, x, rope, input_pos)
+            cache, b = self.attention.kv_cache, x.shape[0]
+            return post(self, x, self.attention.over(q, cache.k[:b, :, :live], cache.v[:b, :, :live], input_pos, live, mask))
+        q, k, v = self._pre_attention(x, rope)
+        return self._post_attention(x, self.attention.attend(q, k, v, input_pos, live, mask, row))
 
     def _pre_attention(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.attention.project(self.attention_norm(x), rope)
+
+    def _pre_attention_writing(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+        """`_pre_attention`, then k/v into cache rows 0..B-1 at input_pos ([S], or [B, 1]).
+        It indexes the whole cache rather than a slice of it, so inductor writes in place
+        (fused with RoPE) instead of copying the cache."""
+        q, k, v = self._pre_attention(x, rope)
+        cache = self.attention.kv_cache
+        rows = torch.arange(x.shape[0], device=x.device)[:, None]
+        pos = input_pos.view(-1, x.shape[1])
+        cache.k[rows, :, pos] = k.transpose(1, 2)
+        cache.v[rows, :, pos] = v.transpose(1, 2)
+        return q
 
     def _post_attention(self, x: Tensor, y: Tensor) -> Tensor:
         h = x + self.attention.wo(y)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    _halves = (_pre_attention, _post_attention)
     compiled: tuple | None = None
 
 
@@ -167,14 +197,15 @@ class DualARTransformer(nn.Module):
         self.max_seq_len = 0
 
     def compile_layers(self, dynamic_batch: bool = False) -> None:
-        """Compile the per-layer work of a decode step around attention, once for all slow
+        """Compile the per-layer work of a decode step around attention (norms, projections,
+        QK-norm, RoPE and the cache write before it; the rest after), once for all slow
         layers and once for all fast ones (same code, same shapes: the compiled graphs are
         shared), so no graph depends on the attention length and compilation stays short.
         `dynamic_batch`: one compilation serves every batch size (the batching engine)."""
         # One cache entry per layer shape and weight type (bf16, int8), per engine in this process.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         dynamic = None if dynamic_batch else False  # None: specialise, then generalise what changes
-        pre = torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=dynamic)
+        pre = torch.compile(TransformerBlock._pre_attention_writing, fullgraph=True, dynamic=dynamic)
         post = torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=dynamic)
         for block in [*self.layers, *self.fast_layers]:
             block.compiled = (pre, post)
@@ -208,27 +239,32 @@ class DualARTransformer(nn.Module):
             x = torch.where(is_semantic[..., None], x / math.sqrt(c.num_codebooks + 1), x)
         return x
 
-    def forward_slow(self, tokens: Tensor, input_pos: Tensor, live: int,
-                     key_pos: Tensor | None = None, row: int = 0) -> tuple[Tensor, Tensor]:
+    def forward_slow(self, tokens: Tensor, input_pos: Tensor, live: int, key_pos: Tensor | None = None,
+                     row: int | Tensor = 0, last: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Run the slow transformer over `tokens` [B, 1 + C, S] at `input_pos` — a contiguous
         range [S] shared by the batch, or [B, S] per row — attending over the first `live`
-        cache slots (at least input_pos[-1] + 1) of cache rows row..row+B-1.
+        cache slots (at least input_pos[-1] + 1) of cache rows row..row+B-1 (or the rows
+        a tensor `row` names).
 
         `key_pos` (arange of a bucketed length: the compiled step, the batching engine)
         replaces `live`: attention then reads that many slots, masking those after each query.
         Returns the head's logits [B, semantic_vocab + 1] and the fast transformer's
-        input [B, fast_dim], both for the last position only.
+        input [B, fast_dim], both for the last position only, or for position `last` [B]
+        of each row (a batch of prompts padded to one length).
         """
         mask = None
         if key_pos is not None:
             live = key_pos.shape[0]
             mask = key_pos <= input_pos[..., None]  # [S, live] or [B, S, live]
             mask = mask[None, None] if input_pos.dim() == 1 else mask[:, None]
+            # As the additive bias attention turns a boolean mask into: once, not once a layer.
+            mask = torch.zeros(mask.shape, dtype=self.embeddings.weight.dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf"))
         x = self.embed(tokens)
         rope = self.rope[input_pos]
         for layer in self.layers:
             x = layer(x, rope, input_pos, live, mask, row)
-        x = x[:, -1]
+        x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
         return self.head(self.norm(x)), self.fast_project_in(x)
 
     def forward_fast(self, x: Tensor, pos: int) -> Tensor:

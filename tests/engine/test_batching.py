@@ -108,15 +108,41 @@ def test_overload_is_refused_at_once_and_cancel_frees_the_slot(tiny_checkpoint):
 
 
 def test_bad_jobs_fail_alone(tiny_checkpoint):
-    batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu", max_seq_len=64), max_batch=2)
+    """A prompt too long for the cache fails in the same admission as two good ones, which
+    start first; retiring it moves the last good one into its slot, which must not change
+    that one's codes."""
+    solo = Engine.from_pretrained(tiny_checkpoint, device="cpu", max_seq_len=64)
+    batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu", max_seq_len=64), max_batch=3)
+    good = [Job(text, params=SamplingParams(seed=i, max_new_tokens=5)) for i, text in enumerate(("Fine.", "Also fine."))]
     with batcher:
         with pytest.raises(Exception, match="non-empty"):
             batcher.submit(Job("   "))
-        too_long = batcher.submit(Job("word " * 200, chunk_length=1000, params=SamplingParams(seed=0)))
-        fine = batcher.submit(Job("Fine.", params=SamplingParams(seed=0, max_new_tokens=5)))
+        with batcher._lock:  # all three wait for the same admission
+            tickets = [batcher.submit(good[0]),
+                       batcher.submit(Job("word " * 200, chunk_length=1000, params=SamplingParams(seed=0))),
+                       batcher.submit(good[1])]
         with pytest.raises(Exception, match="prompt is"):
-            too_long.result()
-        assert fine.result().frames == 5
+            tickets[1].result()
+        results = [tickets[0].result(), tickets[2].result()]
+    for job, result in zip(good, results):
+        assert result.frames == 5 and torch.equal(result.codes, run_alone(solo, job).codes)
+
+
+def test_prompts_beyond_one_prefill_are_split(tiny_checkpoint, solo, monkeypatch):
+    """With a small prefill budget the admissions run as several padded prefills; codes are unchanged."""
+    import fish_sm.engine.batching as batching
+
+    monkeypatch.setattr(batching, "PREFILL_TOKENS", 48)
+    jobs = [Job(text, params=SamplingParams(seed=i, max_new_tokens=12)) for i, text in enumerate(TEXTS)]
+    groups = batching._prefill_groups([(None, torch.zeros(11, n), 0) for n in (10, 12, 20, 30)])
+    assert [len(g) for g in groups] == [2, 1, 1]
+    batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
+    with batcher:
+        with batcher._lock:
+            tickets = [batcher.submit(job) for job in jobs]
+        batched = [t.result() for t in tickets]
+    for job, b in zip(jobs, batched):
+        assert torch.equal(b.codes, run_alone(solo, job).codes), job
 
 
 def test_batch_sizes():

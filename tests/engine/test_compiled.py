@@ -45,3 +45,46 @@ def test_int8_weight_only_quantization(tiny_checkpoint):
     assert engine.quantized and weight_bytes(engine.model) < before
     result = engine.synthesize("Quantized speech.", seed=2, max_new_tokens=6)
     assert result.audio.shape == reference.audio.shape and result.frames == reference.frames
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_layers_write_the_cache_as_eager_ones_do(tiny_checkpoint, batch):
+    """The GPU's compiled per-layer halves (the first writes k/v into the cache) against
+    the eager layers: same logits and the same cache after a few decode steps."""
+    from fish_sm.engine.generate import decode_frame, noise_size
+    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+
+    engines = [Engine.from_pretrained(tiny_checkpoint, device="cpu") for _ in range(2)]
+    engines[1].model.compile_layers(dynamic_batch=batch > 1)
+    rows = 1 + engines[0].config.num_codebooks
+    t, p, r = (x.view(1, 1).expand(batch, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+    outs = []
+    for engine in engines:
+        model = engine.model
+        model.setup_caches(batch, 64)
+        g = torch.Generator().manual_seed(0)
+        frame = torch.zeros(batch, rows, dtype=torch.long)
+        frame[:, 0] = model.semantic_begin_id
+        frames = []
+        with torch.inference_mode():
+            for i in range(4):
+                pos = torch.arange(batch) + i if batch > 1 else torch.tensor([i])
+                window = torch.zeros(batch, rows, PENALTY_WINDOW, dtype=torch.long)
+                noise = torch.empty(batch, noise_size(model)).exponential_(1, generator=g)
+                frame = decode_frame(model, frame, pos, window, noise, t, p, r, key_pos=model.positions[:16])
+                frames.append(frame)
+        outs.append((torch.stack(frames), model.layers[0].attention.kv_cache.k.clone()))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.allclose(outs[0][1], outs[1][1], atol=1e-5)
+
+
+def test_prefill_buckets_cover_every_prompt_length():
+    from fish_sm.engine.generate import prefill_bucket, prefill_buckets
+
+    for max_seq_len in (64, 2048, 8192):
+        buckets = prefill_buckets(max_seq_len)
+        for length in range(1, max_seq_len):
+            bucket = prefill_bucket(max_seq_len, length)
+            assert bucket in buckets and length <= bucket <= max_seq_len
+            assert bucket - length < max(128, length / 2)
+    assert len(prefill_buckets(8192)) == 18

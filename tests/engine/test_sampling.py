@@ -41,3 +41,24 @@ def test_head_penalty_maps_vocabulary_ids_to_head_rows():
     # semantic ids start at 100 (4 of them), <|im_end|> is 50; codes read as vocabulary ids drop out
     first = torch.tensor([102, 3, 100, 50, 104, 99])
     assert head_penalty_indices(first, 100, 4, 50).tolist() == [2, -1, 0, 4, -1, -1]
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 30.0])
+def test_top_p_without_a_sort_keeps_the_same_tokens_as_the_sort(scale):
+    """Both nucleus computations, on rows with many ties (bf16-rounded logits) and without:
+    they may differ only where a token's running probability is top_p to rounding (the two
+    sum in different orders)."""
+    from fish_sm.engine.sampling import _top_p_drop_pairwise, _top_p_drop_sorted
+
+    g = torch.Generator().manual_seed(0)
+    for bf16 in (False, True):
+        logits = torch.randn(6, 1024, generator=g) * scale
+        if bf16:
+            logits = logits.bfloat16().float()
+        for p in (0.1, 0.5, 0.80078125, 1.0):
+            top_p = torch.full((6, 1), p)
+            pairwise, sorted_ = _top_p_drop_pairwise(logits, top_p), _top_p_drop_sorted(logits, top_p)
+            probs = torch.softmax(logits, -1)
+            running = (probs[:, None, :] * (logits[:, None, :] >= logits[:, :, None])).sum(-1)
+            differ = pairwise != sorted_
+            assert ((running - p).abs()[differ] < 1e-5).all()
