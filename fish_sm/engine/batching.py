@@ -1,12 +1,13 @@
 """Continuous batching: many requests share every decode step of one model.
 
 One thread runs the model. Between two decode steps it admits waiting requests into
-free KV-cache slots (a prefill each) and retires the ones that finished; each step then
-decodes one frame for every admitted request at once, so the weights read for a frame
-serve the whole batch. Requests keep everything that makes them theirs: sampling
-parameters, seed (their own random stream, drawn as the sequential engine draws it, so a
-request gives the same codes batched or alone), stop token, length, long text spoken chunk
-by chunk. A second thread turns codes into audio on its own CUDA stream, overlapping the
+free KV-cache slots (their prompts prefilled together, padded, and their first frames
+sampled in one replay) and retires the ones that finished; each step then decodes one
+frame for every admitted request at once, so the weights read for a frame serve the
+whole batch. Requests keep everything that makes them theirs: sampling parameters, seed
+(their own random stream, drawn as the sequential engine draws it, so a request gives the
+same codes batched or alone in float32; bf16 GPU kernels of other batch sizes round
+differently), stop token, length, long text spoken chunk by chunk. A second thread turns codes into audio on its own CUDA stream, overlapping the
 decoding: pieces as frames arrive (streaming) or the whole utterance at the end.
 
 KV memory is allotted in slots, one sequence of `max_seq_len` each, as many as fit the free
