@@ -202,7 +202,7 @@ class BatchEngine:
         the prefix cache, the captured graphs and the codec), at most `max_batch`."""
         if self.device.type != "cuda":
             return max_batch
-        c, dtype = self.engine.config, self.engine.model.embeddings.weight.dtype
+        c, dtype = self.engine.config, self.engine.model.dtype
         per_token = 2 * c.n_layer * c.n_local_heads * c.head_dim * torch.finfo(dtype).bits // 8
         per_slot = per_token * self.max_seq_len + self.rows * (self.max_seq_len + PENALTY_WINDOW) * 8
         free, total = torch.cuda.mem_get_info(self.device)

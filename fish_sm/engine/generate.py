@@ -109,7 +109,7 @@ class GraphedStep:
     `max_batch`); the output buffer is reused by the next replay (callers clone it)."""
 
     def __init__(self, model: DualARTransformer, max_batch: int = 1):
-        dev, rows = model.embeddings.weight.device, 1 + model.config.num_codebooks
+        dev, rows = model.device, 1 + model.config.num_codebooks
         self.model = model
         # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels;
         # the graphs then replay those kernels.
@@ -158,12 +158,11 @@ class GraphedStep:
         window, for `batch` prompts at once: one replay instead of ~1,400 kernels launched
         one by one (each chunk's first frame; the batching engine's admissions)."""
         model, c = self.model, self.model.config
-        weight = model.embeddings.weight
         if not hasattr(self, "first_inputs"):
             rows = self.inputs["frame"].shape[0]
             self.first_inputs = {
-                "logits": torch.zeros(rows, c.semantic_vocab + 1, dtype=weight.dtype, device=weight.device),
-                "hidden": torch.zeros(rows, c.fast_dim, dtype=weight.dtype, device=weight.device),
+                "logits": torch.zeros(rows, c.semantic_vocab + 1, dtype=model.dtype, device=model.device),
+                "hidden": torch.zeros(rows, c.fast_dim, dtype=model.dtype, device=model.device),
                 **{k: self.inputs[k] for k in ("noise", "temperature", "top_p", "penalty")},
             }
         x = {k: v[:batch] for k, v in self.first_inputs.items()}
@@ -193,7 +192,7 @@ class GraphedStep:
         query may see them): its ~1,900 kernels without the Python between them."""
         model = self.model
         if not hasattr(self, "prefill_inputs"):
-            dev = model.embeddings.weight.device
+            dev = model.device
             self.prefill_inputs = {"tokens": torch.zeros(1, 1 + model.config.num_codebooks, model.max_seq_len,
                                                          dtype=torch.long, device=dev),
                                    "last": torch.zeros(1, dtype=torch.long, device=dev)}
@@ -271,7 +270,7 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
     The <|im_end|> frame itself is not yielded. `step` is the compiled `decode_frame`
     (bucketed attention, one frame queued ahead of the stop check) or None for eager.
     """
-    device = model.embeddings.weight.device
+    device = model.device
     n_rows, length = prompt.shape
     max_new = frame_budget(length, model.max_seq_len, params.max_new_tokens)
     temperature, top_p, penalty = (t.view(1, 1) for t in params.tensors(device))

@@ -196,6 +196,15 @@ class DualARTransformer(nn.Module):
         self.register_buffer("codebook_offsets", torch.arange(c.num_codebooks) * c.codebook_size, persistent=False)
         self.max_seq_len = 0
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights: never quantized)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def compile_layers(self, dynamic_batch: bool = False) -> None:
         """Compile the per-layer work of a decode step around attention (norms, projections,
         QK-norm, RoPE and the cache write before it; the rest after), once for all slow
@@ -217,7 +226,7 @@ class DualARTransformer(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Static KV caches: `max_seq_len` slots for the slow transformer, one per codebook for the fast one."""
-        c, p = self.config, self.embeddings.weight
+        c, p = self.config, self.norm.weight
         if max_seq_len > c.max_seq_len:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {c.max_seq_len}")
         self.max_seq_len = max_seq_len
@@ -258,7 +267,7 @@ class DualARTransformer(nn.Module):
             mask = key_pos <= input_pos[..., None]  # [S, live] or [B, S, live]
             mask = mask[None, None] if input_pos.dim() == 1 else mask[:, None]
             # As the additive bias attention turns a boolean mask into: once, not once a layer.
-            mask = torch.zeros(mask.shape, dtype=self.embeddings.weight.dtype, device=mask.device).masked_fill_(
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(
                 ~mask, float("-inf"))
         x = self.embed(tokens)
         rope = self.rope[input_pos]

@@ -43,6 +43,7 @@ def test_int8_weight_only_quantization(tiny_checkpoint):
     reference = engine.synthesize("Quantized speech.", seed=2, max_new_tokens=6)
     engine.quantize_int8()
     assert engine.quantized and weight_bytes(engine.model) < before
+    assert type(engine.model.embeddings).__name__ == "Int8Embedding" and engine.model.dtype == torch.float32
     result = engine.synthesize("Quantized speech.", seed=2, max_new_tokens=6)
     assert result.audio.shape == reference.audio.shape and result.frames == reference.frames
 
@@ -88,3 +89,17 @@ def test_prefill_buckets_cover_every_prompt_length():
             assert bucket in buckets and length <= bucket <= max_seq_len
             assert bucket - length < max(128, length / 2)
     assert len(prefill_buckets(8192)) == 18
+
+
+def test_int8_embedding_looks_up_scaled_rows():
+    from fish_sm.model.layers import Int8Embedding
+
+    table = torch.randn(50, 16, generator=torch.Generator().manual_seed(0))
+    table[3] = 0.0  # an all-zero row keeps a usable scale
+    emb = Int8Embedding(table)
+    ids = torch.tensor([[0, 3, 49], [7, 7, 1]])
+    out = emb(ids)
+    assert out.shape == (2, 3, 16) and out.dtype == table.dtype and emb.qweight.dtype == torch.int8
+    assert torch.equal(out[0, 1], torch.zeros(16))
+    step = table.abs().amax(dim=1) / 127  # one quantization step per row
+    assert ((out - table[ids]).abs() <= step[ids, None] / 2 + 1e-7).all()
