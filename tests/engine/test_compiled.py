@@ -103,3 +103,40 @@ def test_int8_embedding_looks_up_scaled_rows():
     assert torch.equal(out[0, 1], torch.zeros(16))
     step = table.abs().amax(dim=1) / 127  # one quantization step per row
     assert ((out - table[ids]).abs() <= step[ids, None] / 2 + 1e-7).all()
+
+
+def test_a_prompt_padded_to_its_prefill_bucket_decodes_as_the_prompt_alone(tiny_checkpoint):
+    """What a captured prefill does (GPU): the prompt padded at its end with stale tokens, the
+    head read at its last real position. The padding's keys must never be seen."""
+    from fish_sm.engine.generate import decode_frame, noise_size
+    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cpu")
+    model = engine.model
+    prompt = build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE)
+    n, bucket = prompt.shape[1], prompt.shape[1] + 37
+    t, p, r = (x.view(1, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+    runs = []
+    for padded in (False, True):
+        model.setup_caches(1, 256)
+        g = torch.Generator().manual_seed(4)
+        with torch.inference_mode():
+            if padded:
+                tokens = torch.randint(0, 1000, (1 + engine.config.num_codebooks, bucket), generator=g)
+                tokens[:, :n] = prompt
+                logits, _ = model.forward_slow(tokens[None], model.positions[:bucket], bucket, last=torch.tensor([n - 1]))
+            else:
+                logits, _ = model.forward_slow(prompt[None], model.positions[:n], n)
+            out = [logits]
+            frame = torch.zeros(1, 1 + engine.config.num_codebooks, dtype=torch.long)
+            frame[:, 0] = model.semantic_begin_id
+            for i in range(6):
+                window = torch.zeros(1, frame.shape[1], PENALTY_WINDOW, dtype=torch.long)
+                noise = torch.empty(1, noise_size(model)).exponential_(1, generator=torch.Generator().manual_seed(i))
+                frame = decode_frame(model, frame, torch.tensor([n + i]), window, noise, t, p, r,
+                                     key_pos=model.positions[:128])
+                out.append(frame)
+        runs.append(out)
+    assert torch.allclose(runs[0][0], runs[1][0], atol=1e-5)
+    for a, b in zip(runs[0][1:], runs[1][1:]):
+        assert torch.equal(a, b)
