@@ -7,8 +7,9 @@ frame for every admitted request at once, so the weights read for a frame serve 
 whole batch. Requests keep everything that makes them theirs: sampling parameters, seed
 (their own random stream, drawn as the sequential engine draws it, so a request gives the
 same codes batched or alone in float32; bf16 GPU kernels of other batch sizes round
-differently), stop token, length, long text spoken chunk by chunk. A second thread turns codes into audio on its own CUDA stream, overlapping the
-decoding: pieces as frames arrive (streaming) or the whole utterance at the end.
+differently), stop token, length, long text spoken chunk by chunk. A second thread turns
+codes into audio on its own CUDA stream, overlapping the decoding: pieces as frames
+arrive (streaming) or the whole utterance at the end.
 
 KV memory is allotted in slots, one sequence of `max_seq_len` each, as many as fit the free
 GPU memory. Active requests occupy slots 0..n-1 (a finishing request's slot is refilled

@@ -139,8 +139,8 @@ class TransformerBlock(nn.Module):
             # first also writes the step's k/v into the cache, attention runs between them.
             pre, post = self.compiled
             q = pre(self, x, rope, input_pos)
-            cache, b = self.attention.kv_cache, x.shape[0]
-            return post(self, x, self.attention.over(q, cache.k[:b, :, :live], cache.v[:b, :, :live], input_pos, live, mask))
+            k, v = (t[: x.shape[0], :, :live] for t in (self.attention.kv_cache.k, self.attention.kv_cache.v))
+            return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
         q, k, v = self._pre_attention(x, rope)
         return self._post_attention(x, self.attention.attend(q, k, v, input_pos, live, mask, row))
 
