@@ -349,20 +349,17 @@ class BatchEngine:
             request.finished_chunk, request.codes = False, []
             ready.append((request, prompt, start))
         ready.sort(key=lambda item: item[1].shape[1] - item[2])
-        for group in _prefill_groups(ready):
+        groups = _prefill_groups(ready)
+        while groups:
+            group = groups.pop(0)
             try:
                 self._prefill_batch(group, pending)
             except torch.cuda.OutOfMemoryError as exc:
                 torch.cuda.empty_cache()
-                if len(group) == 1:
+                if len(group) > 1:  # again one at a time, each failing on its own
+                    groups[:0] = [[item] for item in group]
+                else:
                     failed.append((group[0][0], exc))
-                    continue
-                for item in group:  # one at a time, each failing on its own
-                    try:
-                        self._prefill_batch([item], pending)
-                    except torch.cuda.OutOfMemoryError as exc:
-                        torch.cuda.empty_cache()
-                        failed.append((item[0], exc))
         for request, exc in failed:
             self._fail(request, exc)
 
@@ -402,11 +399,10 @@ class BatchEngine:
         starts = torch.tensor([start for _, _, start in group])
         positions = (starts[:, None] + torch.arange(width)).clamp(max=self.max_seq_len - 1)  # padding: after each prompt
         last = torch.tensor([rest.shape[1] - 1 for rest in rests])
-        rows = torch.tensor([r.slot for r in requests])
+        rows = torch.tensor([r.slot for r in requests], device=dev)
         live = max(r.length for r in requests)
         logits, hidden = model.forward_slow(tokens.to(dev), positions.to(dev), live, key_pos=model.positions[:live],
-                                            row=rows.to(dev), last=last.to(dev))
-        rows = rows.to(dev)
+                                            row=rows, last=last.to(dev))
         self.history[rows] = 0
         temperature, top_p, penalty = self.sampling[:, rows]
         noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)

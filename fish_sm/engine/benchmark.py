@@ -32,7 +32,8 @@ from datetime import date
 import torch
 
 from fish_sm.engine import Engine, Reference, SamplingParams
-from fish_sm.engine.generate import GraphedStep, attention_bucket, decode_frame, generate_frames, noise_size
+from fish_sm.engine.generate import attention_bucket, decode_frame, generate_frames, noise_size
+from fish_sm.engine.generate import prefill as run_prefill
 from fish_sm.engine.sampling import PENALTY_WINDOW
 from fish_sm.engine.prompt import build_prompt
 
@@ -123,10 +124,7 @@ def measure(engine: Engine, frames: int, repeats: int, prompt_tokens: int) -> di
 
     def prefill():  # as the engine runs it: replayed from a captured graph when compiled on a GPU
         with torch.inference_mode():
-            if isinstance(engine._step, GraphedStep):
-                engine._step.prefill(prompt)
-            else:
-                model.forward_slow(prompt.to(dev)[None], torch.arange(prompt.shape[1], device=dev), prompt.shape[1])
+            run_prefill(model, prompt, engine._step)
 
     def decode(prompt=prompt) -> float:
         t, n = time.perf_counter(), 0
@@ -220,9 +218,8 @@ def profile_prefill(engine: Engine, prompt_tokens: int, calls: int = 5) -> dict:
     model, dev = engine.model, engine.device
     voice = reference_voice(engine, max(1, prompt_tokens - 60))
     prompt = build_prompt(engine.tokenizer, model.config.num_codebooks, [(voice.text, voice.codes)], SENTENCE).to(dev)
-    n = prompt.shape[1]
     with torch.inference_mode():
-        return kernel_profile(lambda: model.forward_slow(prompt[None], model.positions[:n], n), calls, dev)
+        return kernel_profile(lambda: run_prefill(model, prompt), calls, dev)
 
 
 def profile_admission(engine: Engine, calls: int = 5) -> dict:
@@ -231,13 +228,11 @@ def profile_admission(engine: Engine, calls: int = 5) -> dict:
 
     model, dev = engine.model, engine.device
     prompt = build_prompt(engine.tokenizer, model.config.num_codebooks, [], BATCH_TEXTS[1]).to(dev)
-    n = prompt.shape[1]
     t, p, r = (x.view(1, 1) for x in SamplingParams(seed=0).tensors(dev))
     noise = torch.empty(1, noise_size(model), device=dev).exponential_(1)
 
     def admit():
-        logits, hidden = model.forward_slow(prompt[None], model.positions[:n], n)
-        return sample_frame(model, logits, hidden, None, noise, t, p, r)
+        return sample_frame(model, *run_prefill(model, prompt), None, noise, t, p, r)
 
     with torch.inference_mode():
         out = kernel_profile(admit, calls, dev)

@@ -126,6 +126,14 @@ class GraphedStep:
             "top_p": torch.ones(max_batch, 1, device=dev),
             "penalty": torch.ones(max_batch, 1, device=dev),
         }
+        c = model.config
+        self.first_inputs = {  # the first frame after a prefill shares the sampling inputs
+            "logits": torch.zeros(max_batch, c.semantic_vocab + 1, dtype=model.dtype, device=dev),
+            "hidden": torch.zeros(max_batch, c.fast_dim, dtype=model.dtype, device=dev),
+            **{k: self.inputs[k] for k in ("noise", "temperature", "top_p", "penalty")},
+        }
+        self.prefill_inputs = {"tokens": torch.zeros(1, rows, model.max_seq_len, dtype=torch.long, device=dev),
+                               "last": torch.zeros(1, dtype=torch.long, device=dev)}
         self.pool = torch.cuda.graph_pool_handle()
         # (batch, bucket): decode steps; ("first", batch): first frames; ("prefill", bucket): prefills
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -157,15 +165,7 @@ class GraphedStep:
         """The first frame after a prefill, sampled from its outputs without a penalty
         window, for `batch` prompts at once: one replay instead of ~1,400 kernels launched
         one by one (each chunk's first frame; the batching engine's admissions)."""
-        model, c = self.model, self.model.config
-        if not hasattr(self, "first_inputs"):
-            rows = self.inputs["frame"].shape[0]
-            self.first_inputs = {
-                "logits": torch.zeros(rows, c.semantic_vocab + 1, dtype=model.dtype, device=model.device),
-                "hidden": torch.zeros(rows, c.fast_dim, dtype=model.dtype, device=model.device),
-                **{k: self.inputs[k] for k in ("noise", "temperature", "top_p", "penalty")},
-            }
-        x = {k: v[:batch] for k, v in self.first_inputs.items()}
+        model, x = self.model, {k: v[:batch] for k, v in self.first_inputs.items()}
         self.graphs[("first", batch)] = self._capture(lambda: sample_frame(
             model, x["logits"], x["hidden"], None, x["noise"], x["temperature"], x["top_p"], x["penalty"],
             probs_fn=self.probs_for(batch)))
@@ -177,10 +177,8 @@ class GraphedStep:
         sizes = [b for kind, b in self.graphs if kind == "first" and b >= batch]
         if not sizes:
             return sample_frame(self.model, logits, hidden, None, noise, temperature, top_p, penalty)
-        x = self.first_inputs
-        for name, value in (("logits", logits), ("hidden", hidden), ("noise", noise), ("temperature", temperature),
-                            ("top_p", top_p), ("penalty", penalty)):
-            x[name][:batch].copy_(value, non_blocking=True)
+        _fill(self.first_inputs, logits=logits, hidden=hidden, noise=noise, temperature=temperature, top_p=top_p,
+              penalty=penalty)
         graph, out = self.graphs[("first", min(sizes))]
         graph.replay()
         return out[:batch]
@@ -190,24 +188,17 @@ class GraphedStep:
         """A one-row prefill of `bucket` positions from 0, the prompt padded at its end (the
         padding's keys land after the prompt, where decoding overwrites them before any
         query may see them): its ~1,900 kernels without the Python between them."""
-        model = self.model
-        if not hasattr(self, "prefill_inputs"):
-            dev = model.device
-            self.prefill_inputs = {"tokens": torch.zeros(1, 1 + model.config.num_codebooks, model.max_seq_len,
-                                                         dtype=torch.long, device=dev),
-                                   "last": torch.zeros(1, dtype=torch.long, device=dev)}
-        x = self.prefill_inputs
+        model, x = self.model, self.prefill_inputs
         self.graphs[("prefill", bucket)] = self._capture(lambda: model.forward_slow(
             x["tokens"][:, :, :bucket], model.positions[:bucket], bucket, last=x["last"]))
 
     def prefill(self, prompt: Tensor) -> tuple[Tensor, Tensor]:
-        """`forward_slow` over a whole prompt [1 + C, T] in cache row 0: the head's logits and
-        the fast transformer's input for its last position (graph outputs, valid until the
-        next replay), replayed when its bucket was captured."""
+        """`prefill`, replayed when the prompt's bucket was captured (graph outputs, valid
+        until the next replay)."""
         model, length = self.model, prompt.shape[1]
         entry = self.graphs.get(("prefill", prefill_bucket(model.max_seq_len, length)))
         if entry is None:
-            return model.forward_slow(prompt.to(model.positions.device)[None], model.positions[:length], length)
+            return prefill(model, prompt)
         x = self.prefill_inputs
         x["tokens"][0, :, :length].copy_(prompt, non_blocking=True)
         x["last"].fill_(length - 1)
@@ -227,13 +218,17 @@ class GraphedStep:
         return graph, out
 
     def __call__(self, model, frame, input_pos, window, noise, temperature, top_p, penalty, key_pos) -> Tensor:
-        x, batch = self.inputs, frame.shape[0]
-        for name, value in (("frame", frame), ("input_pos", input_pos), ("window", window), ("noise", noise),
-                            ("temperature", temperature), ("top_p", top_p), ("penalty", penalty)):
-            x[name][:batch].copy_(value, non_blocking=True)
-        graph, out = self.graphs[(batch, key_pos.shape[0])]
+        _fill(self.inputs, frame=frame, input_pos=input_pos, window=window, noise=noise, temperature=temperature,
+              top_p=top_p, penalty=penalty)
+        graph, out = self.graphs[(frame.shape[0], key_pos.shape[0])]
         graph.replay()
         return out
+
+
+def _fill(buffers: dict[str, Tensor], **values: Tensor) -> None:
+    """Copy a replay's inputs into the first rows of its static buffers."""
+    for name, value in values.items():
+        buffers[name][: value.shape[0]].copy_(value, non_blocking=True)
 
 
 class HostCopy:
@@ -253,6 +248,16 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.value
+
+
+def prefill(model: DualARTransformer, prompt: Tensor, step: FrameFn | None = None) -> tuple[Tensor, Tensor]:
+    """The slow transformer over a whole prompt [1 + C, T] from position 0, in cache row 0:
+    the head's logits and the fast transformer's input for its last position. A
+    `GraphedStep` replays it from a captured graph."""
+    if isinstance(step, GraphedStep):
+        return step.prefill(prompt)
+    length = prompt.shape[1]
+    return model.forward_slow(prompt.to(model.device)[None], model.positions[:length], length)
 
 
 def frame_budget(prompt_length: int, max_seq_len: int, max_new_tokens: int) -> int:
@@ -279,11 +284,10 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
     def noise() -> Tensor:
         return torch.empty(1, n_noise, device=device).exponential_(1, generator=generator)
 
+    logits, hidden = prefill(model, prompt, step)
     if isinstance(step, GraphedStep):
-        logits, hidden = step.prefill(prompt)
         frame = step.first_frame(logits, hidden, noise(), temperature, top_p, penalty)[0].clone()
     else:
-        logits, hidden = model.forward_slow(prompt.to(device)[None], torch.arange(length, device=device), length)
         frame = sample_frame(model, logits, hidden, None, noise(), temperature, top_p, penalty)[0]
     history = torch.zeros(n_rows, max(max_new, PENALTY_WINDOW), dtype=torch.long, device=device)
     input_pos = torch.tensor([length], device=device)

@@ -15,6 +15,7 @@ design: the slow head only has the rows it may choose from (the semantic tokens 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -41,11 +42,15 @@ class KVCache(nn.Module):
         """Write k/v [B, heads, S, head_dim] at `input_pos` ([S] shared, or [B, S] per row);
         return the first `live` slots of the B rows (everything attendable). `row`: the
         batch's first cache row (rows row..row+B-1), or a tensor [B] of any cache rows
-        (with input_pos [B, S]: a batched prefill into scattered slots)."""
+        (with input_pos [B, S], or [1, S] shared: the rows need not be next to each other)."""
+        self.write(input_pos, k, v, row)
+        return self.read(live, row, k.shape[0])
+
+    def write(self, input_pos: Tensor, k: Tensor, v: Tensor, row: int | Tensor = 0) -> None:
         if isinstance(row, Tensor):
             self.k[row[:, None], :, input_pos] = k.transpose(1, 2)
             self.v[row[:, None], :, input_pos] = v.transpose(1, 2)
-            return self.k[row, :, :live], self.v[row, :, :live]
+            return
         kc, vc = self.k[row : row + k.shape[0]], self.v[row : row + k.shape[0]]
         if input_pos.dim() == 1:
             kc[:, :, input_pos] = k
@@ -54,7 +59,11 @@ class KVCache(nn.Module):
             b = torch.arange(k.shape[0], device=k.device)[:, None]
             kc[b, :, input_pos] = k.transpose(1, 2)
             vc[b, :, input_pos] = v.transpose(1, 2)
-        return kc[:, :, :live], vc[:, :, :live]
+
+    def read(self, live: int, row: int | Tensor, batch: int) -> tuple[Tensor, Tensor]:
+        if isinstance(row, Tensor):
+            return self.k[row, :, :live], self.v[row, :, :live]
+        return self.k[row : row + batch, :, :live], self.v[row : row + batch, :, :live]
 
     def copy_row(self, dst: int, src: int, length: int) -> None:
         self.k[dst, :, :length] = self.k[src, :, :length]
@@ -94,12 +103,13 @@ class Attention(nn.Module):
         """Attention over k/v already in the cache (its first `live` slots)."""
         bsz, _, seqlen, _ = q.shape
         gqa = self.n_head != self.n_local_heads
-        if mask is not None and seqlen > 1:  # a batch of prompts, each from its own position
-            # Not cuDNN: it builds a plan for every new shape, and prompt lengths vary (~1 s each on an H100).
-            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        if mask is not None:
+            # Several query positions (a batch of prompts, each from its own position): not
+            # cuDNN, which builds a plan for every new shape, and prompt lengths vary.
+            backends = contextlib.nullcontext() if seqlen == 1 else sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION,
+                                                                                  SDPBackend.MATH])
+            with backends:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif seqlen == live:  # a prefill from position 0: plain causal attention
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif seqlen == 1:  # one new token sees every live key
@@ -139,7 +149,7 @@ class TransformerBlock(nn.Module):
             # first also writes the step's k/v into the cache, attention runs between them.
             pre, post = self.compiled
             q = pre(self, x, rope, input_pos)
-            k, v = (t[: x.shape[0], :, :live] for t in (self.attention.kv_cache.k, self.attention.kv_cache.v))
+            k, v = self.attention.kv_cache.read(live, row, x.shape[0])
             return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
         q, k, v = self._pre_attention(x, rope)
         return self._post_attention(x, self.attention.attend(q, k, v, input_pos, live, mask, row))
@@ -149,14 +159,11 @@ class TransformerBlock(nn.Module):
 
     def _pre_attention_writing(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
         """`_pre_attention`, then k/v into cache rows 0..B-1 at input_pos ([S], or [B, 1]).
-        It indexes the whole cache rather than a slice of it, so inductor writes in place
-        (fused with RoPE) instead of copying the cache."""
+        The rows are named by a tensor, so the write indexes the whole cache rather than a
+        slice of it: inductor then writes in place (fused with RoPE) instead of copying the cache."""
         q, k, v = self._pre_attention(x, rope)
-        cache = self.attention.kv_cache
-        rows = torch.arange(x.shape[0], device=x.device)[:, None]
-        pos = input_pos.view(-1, x.shape[1])
-        cache.k[rows, :, pos] = k.transpose(1, 2)
-        cache.v[rows, :, pos] = v.transpose(1, 2)
+        rows = torch.arange(x.shape[0], device=x.device)
+        self.attention.kv_cache.write(input_pos.view(-1, x.shape[1]), k, v, rows)
         return q
 
     def _post_attention(self, x: Tensor, y: Tensor) -> Tensor:
