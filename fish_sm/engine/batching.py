@@ -176,6 +176,7 @@ class BatchEngine:
         model, c = self.model, engine.config
         self.rows = 1 + c.num_codebooks
         self.max_seq_len = model.max_seq_len
+        self._codec = CodecWorker(engine, first_piece, largest_piece)
         self.slots = self._fit_slots(max_batch, memory_fraction, prefix_cache)
         model.setup_caches(self.slots, self.max_seq_len)
         engine._step = None  # the sequential engine's graphs point at the old cache
@@ -194,20 +195,20 @@ class BatchEngine:
         self._lock = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
-        self._codec = CodecWorker(engine, first_piece, largest_piece)
         self._decoded: list[tuple[Ticket, np.ndarray]] = []  # checked frames not yet handed to the codec
         self.steps = 0
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int) -> int:
         """Admission control: as many sequences as the free GPU memory holds (after room for
-        the prefix cache, the captured graphs and the codec), at most `max_batch`."""
+        the prefix cache, the captured graphs and the codec's largest batch), at most `max_batch`."""
         if self.device.type != "cuda":
             return max_batch
         c, dtype = self.engine.config, self.engine.model.dtype
         per_token = 2 * c.n_layer * c.n_local_heads * c.head_dim * torch.finfo(dtype).bits // 8
         per_slot = per_token * self.max_seq_len + self.rows * (self.max_seq_len + PENALTY_WINDOW) * 8
         free, total = torch.cuda.mem_get_info(self.device)
-        reserve = (1 - memory_fraction) * total + prefix_cache * per_token * self.max_seq_len // 4 + (2 << 30)
+        reserve = ((1 - memory_fraction) * total + prefix_cache * per_token * self.max_seq_len // 4 + (2 << 30)
+                   + self._codec.codec.working_bytes())
         fit = int((free - reserve) // per_slot)
         if fit < 1:
             raise FishSMError(f"no room for a single {self.max_seq_len}-token KV cache on {self.device} "
@@ -227,9 +228,22 @@ class BatchEngine:
         t0 = time.perf_counter()
         step.capture_all(self.batch_sizes)
         self._step = step
+        self._compile_admissions()
         self._codec.capture(pieces=12)  # the rest of a long utterance's pieces are captured when first reached
         logger.info("batching: captured %d decode and %d codec graphs in %.1f s", len(step.graphs),
                     len(self._codec.codec.graphs), time.perf_counter() - t0)
+
+    @torch.inference_mode()  # as the decode loop runs them
+    def _compile_admissions(self) -> None:
+        """Compile the admissions' prefill (`compile_layers`) for one prompt and for several,
+        the two cases the compiled code tells apart, before a request waits on it. It writes
+        into slots that are free."""
+        model, dev, width = self.model, self.device, 16
+        for batch in sorted({1, min(2, self.slots)}):
+            tokens = torch.zeros(batch, self.rows, width, dtype=torch.long, device=dev)
+            positions = torch.arange(width, device=dev).expand(batch, width)
+            model.forward_slow(tokens, positions, width, key_pos=model.positions[:width],
+                               row=torch.arange(batch, device=dev), last=torch.full((batch,), width - 1, device=dev))
 
     def start(self) -> "BatchEngine":
         # The decode loop and the codec thread hand the GIL to each other many times a
@@ -549,13 +563,15 @@ def batch_sizes(slots: int) -> list[int]:
 class CodecWorker:
     """Codes to audio on a thread (and CUDA stream) of its own, piece by piece as frames
     arrive (`StreamingCodec`): streamed requests get each piece, the others one
-    concatenation at the end."""
+    concatenation at the end. Everything queued since the last round is taken at once, and
+    the pieces that are ready go through the codec together (one piece per request per
+    round, since a request's next piece needs the state its last one left)."""
 
     def __init__(self, engine: Engine, first_piece: int, largest_piece: int):
         self.engine = engine
         self.codec = StreamingCodec(engine.codec, first_piece, largest_piece)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[int, tuple[CodecStream, list, list]] = {}  # ticket -> (stream, frames, audio)
+        self._streams: dict[int, _Audio] = {}  # id(ticket) -> its codec state, frames and audio so far
         self._thread: threading.Thread | None = None
         self._cuda = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
 
@@ -587,34 +603,91 @@ class CodecWorker:
 
     def _run(self) -> None:
         with torch.inference_mode(), self._on_stream():
-            while (items := self._queue.get()) is not None:
-                for kind, ticket, codes in items:
-                    try:
-                        self._handle(kind, ticket, codes)
-                    except Exception as exc:
-                        logger.exception("codec failed")
-                        self._streams.pop(id(ticket), None)
-                        ticket.emit("error", exc)
+            running = True
+            while running:
+                items = [self._queue.get()]
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        items.append(self._queue.get_nowait())
+                running = None not in items
+                for kind, ticket, codes in (x for batch in items if batch is not None for x in batch):
+                    self._take(kind, ticket, codes)
+                self._decode_ready()
 
-    def _handle(self, kind: str, ticket: Ticket, codes) -> None:
+    def _take(self, kind: str, ticket: Ticket, codes) -> None:
         key = id(ticket)
         if kind == "cancel" or ticket.cancelled:  # (frames may be handed over just before a cancel)
             self._streams.pop(key, None)
             return
-        stream, frames, audio = self._streams.pop(key, None) or (CodecStream(), [], [])
+        entry = self._streams.setdefault(key, _Audio(ticket))
         if kind == "frame":
-            frames.append(codes)
-            if len(frames) >= self.codec.next_frames(stream):
-                self._piece(ticket, stream, frames, audio)
-                frames = []
-            self._streams[key] = (stream, frames, audio)
-            return
-        t0 = time.perf_counter()
-        if frames:
-            self._piece(ticket, stream, frames, audio)
+            entry.frames.append(codes)
+        else:
+            entry.finished, entry.all_codes = time.perf_counter(), codes
+
+    def _decode_ready(self) -> None:
+        """Rounds of ready pieces until none is left, shortest pieces first (a request's first
+        piece waits behind no long one), each length delivered as soon as it is decoded; then
+        the finished requests' summaries."""
+        while True:
+            ready: dict[int, list] = {}
+            for entry in self._streams.values():
+                n = self.codec.next_frames(entry.stream)
+                if len(entry.frames) >= n or (entry.finished and entry.frames):
+                    ready.setdefault(min(n, len(entry.frames)), []).append((entry, entry.frames[:n]))
+                    del entry.frames[:n]
+            if not ready:
+                break
+            for n in sorted(ready):
+                for entry, samples in zip([e for e, _ in ready[n]], self._decode_group(ready[n])):
+                    if samples is not None:
+                        self._deliver(entry, samples)
+        for key, entry in list(self._streams.items()):
+            if entry.finished and not entry.frames:
+                del self._streams[key]
+                self._summarise(entry)
+
+    def _decode_group(self, group: list[tuple["_Audio", list[np.ndarray]]]) -> list[np.ndarray | None]:
+        try:
+            return self._pieces(group)
+        except Exception:  # find the one that fails: each alone (their states are as they were)
+            logger.exception("codec failed on a batch of %d pieces; retrying them one by one", len(group))
+        audio = []
+        for entry, frames in group:
+            try:
+                audio += self._pieces([(entry, frames)])
+            except Exception as exc:
+                self._streams.pop(id(entry.ticket), None)
+                entry.ticket.emit("error", exc)
+                audio.append(None)
+        return audio
+
+    def _pieces(self, ready: list[tuple["_Audio", list[np.ndarray]]]) -> list[np.ndarray]:
+        dev = self.engine.device
+        pieces = [(entry.stream, torch.from_numpy(np.stack(frames, axis=1))[None].to(dev)) for entry, frames in ready]
+        states = [(entry.stream.state, entry.stream.back, entry.stream.pieces) for entry, _ in ready]
+        try:
+            audio = self.codec.push_many(pieces)
+        except Exception:
+            for (entry, _), (state, back, index) in zip(ready, states):  # as they were, for a retry
+                entry.stream.state, entry.stream.back, entry.stream.pieces = state, back, index
+            raise
+        return [a[0].float().cpu().numpy() for a in audio]
+
+    def _deliver(self, entry: "_Audio", samples: np.ndarray) -> None:
+        ticket = entry.ticket
+        if ticket.job.stream:
+            if "first_audio" not in ticket.timings:
+                ticket.timings["first_audio"] = time.perf_counter() - ticket.submitted
+            ticket.emit("audio", samples)
+        else:
+            entry.audio.append(samples)
+
+    def _summarise(self, entry: "_Audio") -> None:
+        ticket, codes = entry.ticket, entry.all_codes
         if not ticket.job.stream:
-            ticket.emit("audio", np.concatenate(audio) if audio else np.zeros(0, np.float32))
-        ticket.timings["decode"] = time.perf_counter() - t0
+            ticket.emit("audio", np.concatenate(entry.audio) if entry.audio else np.zeros(0, np.float32))
+        ticket.timings["decode"] = time.perf_counter() - entry.finished
         ticket.timings["total"] = time.perf_counter() - ticket.submitted
         n = len(codes)
         seconds = n * self.engine.frame_length / self.engine.sample_rate
@@ -623,12 +696,14 @@ class CodecWorker:
                                       rtf=ticket.timings["total"] / seconds if seconds else float("inf"),
                                       timings=dict(ticket.timings), codes=stacked))
 
-    def _piece(self, ticket: Ticket, stream: CodecStream, frames: list[np.ndarray], audio: list) -> None:
-        codes = torch.from_numpy(np.stack(frames, axis=1))[None].to(self.engine.device)
-        samples = self.codec.push(stream, codes)[0].float().cpu().numpy()
-        if ticket.job.stream:
-            if "first_audio" not in ticket.timings:
-                ticket.timings["first_audio"] = time.perf_counter() - ticket.submitted
-            ticket.emit("audio", samples)
-        else:
-            audio.append(samples)
+
+@dataclass
+class _Audio:
+    """A request's place in the codec: its decoder state, frames not yet decoded, audio so far."""
+
+    ticket: Ticket
+    stream: CodecStream = field(default_factory=CodecStream)
+    frames: list = field(default_factory=list)
+    audio: list = field(default_factory=list)
+    finished: float = 0.0  # when its last frame was handed over (0: still decoding)
+    all_codes: list = field(default_factory=list)

@@ -237,7 +237,7 @@ def profile_admission(engine: Engine, calls: int = 5) -> dict:
     with torch.inference_mode():
         out = kernel_profile(admit, calls, dev)
         out["wall_ms_per_call"] = statistics.median(_timed(admit, dev) * 1e3 for _ in range(calls))
-    out["prompt_tokens"] = n
+    out["prompt_tokens"] = prompt.shape[1]
     return out
 
 
@@ -286,7 +286,8 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0)
     out = {"mode": mode, "slots": batcher.slots, "max_seq_len": max_seq_len, "frames_per_request": frames}
     out["compile_s"] = _timed(batcher.compile, dev)
-    out["codec_pieces_vs_whole_max_abs"], out["codec_pieces_frames_per_s"] = _codec_pieces_check(engine, batcher._codec.codec)
+    (out["codec_pieces_vs_whole_max_abs"], out["codec_pieces_frames_per_s"],
+     out["codec_pieces_16_streams_frames_per_s"]) = _codec_pieces_check(engine, batcher._codec.codec)
     if profile and dev.type == "cuda":
         engine._step = batcher._step
         out["profile"] = [profile_decode(engine, b, 300) for b in batcher.batch_sizes]
@@ -326,17 +327,27 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     return out
 
 
-def _codec_pieces_check(engine: Engine, pieces) -> tuple[float, float]:
-    """A 300-frame decode in scheduled pieces (graphs on CUDA): its largest difference from
-    the same codes decoded in one piece, and its speed in frames/s (the codec's ceiling on
-    what the batching engine can turn into audio)."""
-    from fish_sm.engine.codec_stream import decode_in_pieces
+def _codec_pieces_check(engine: Engine, pieces) -> tuple[float, float, float]:
+    """A 300-frame decode in scheduled pieces (graphs and compiled back on CUDA): its largest
+    difference from the same codes decoded in one piece, its speed in frames/s alone, and
+    the speed of 16 such streams decoded side by side (`push_many`): the codec's ceiling on
+    what the batching engine can turn into audio."""
+    from fish_sm.engine.codec_stream import CodecStream, decode_in_pieces
 
     codes = torch.randint(0, 1024, (1, engine.config.num_codebooks, 300), generator=torch.Generator().manual_seed(3)).to(engine.device)
+
+    def side_by_side(streams: int = 16) -> None:
+        states, at = [CodecStream() for _ in range(streams)], 0
+        while at < codes.shape[-1]:
+            n = min(pieces.next_frames(states[0]), codes.shape[-1] - at)
+            pieces.push_many([(s, codes[..., at : at + n]) for s in states])
+            at += n
+
     with torch.inference_mode():
         diff = (decode_in_pieces(pieces, codes) - engine.codec.decode(codes)).abs().max().item()
         seconds = statistics.median(_timed(lambda: decode_in_pieces(pieces, codes), engine.device) for _ in range(3))
-    return diff, codes.shape[-1] / seconds
+        many = statistics.median(_timed(side_by_side, engine.device) for _ in range(3))
+    return diff, codes.shape[-1] / seconds, 16 * codes.shape[-1] / many
 
 
 COLD_WARM = """
@@ -345,7 +356,10 @@ logging.basicConfig(level=logging.WARNING)
 from fish_sm.serving.handler import model_fn
 t0 = time.perf_counter()
 model = model_fn(sys.argv[1])
-print("MODEL_FN " + json.dumps({"total_s": time.perf_counter() - t0, **model.timings}))
+total = time.perf_counter() - t0
+from torch._dynamo.utils import counters  # where a warm start's compile time goes: cache hits or not
+cache = {f"{group}.{k}": v for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
+print("MODEL_FN " + json.dumps({"total_s": total, **model.timings, "caches": cache}))
 """
 
 

@@ -117,23 +117,27 @@ class GraphedStep:
         # One row: the residual codebooks' nucleus without a sort (see sampling.PAIRWISE_MAX_VOCAB).
         self.probs_one = torch.compile(functools.partial(logits_to_probs, sort_free=True), fullgraph=True, dynamic=False)
         self.probs_many = torch.compile(logits_to_probs, fullgraph=True, dynamic=None)
-        self.inputs = {
-            "frame": torch.zeros(max_batch, rows, dtype=torch.long, device=dev),
-            "input_pos": torch.zeros(max_batch, dtype=torch.long, device=dev),
-            "window": torch.zeros(max_batch, rows, PENALTY_WINDOW, dtype=torch.long, device=dev),
-            "noise": torch.ones(max_batch, noise_size(model), device=dev),
-            "temperature": torch.ones(max_batch, 1, device=dev),
-            "top_p": torch.ones(max_batch, 1, device=dev),
-            "penalty": torch.ones(max_batch, 1, device=dev),
-        }
-        c = model.config
-        self.first_inputs = {  # the first frame after a prefill shares the sampling inputs
-            "logits": torch.zeros(max_batch, c.semantic_vocab + 1, dtype=model.dtype, device=dev),
-            "hidden": torch.zeros(max_batch, c.fast_dim, dtype=model.dtype, device=dev),
-            **{k: self.inputs[k] for k in ("noise", "temperature", "top_p", "penalty")},
-        }
-        self.prefill_inputs = {"tokens": torch.zeros(1, rows, model.max_seq_len, dtype=torch.long, device=dev),
-                               "last": torch.zeros(1, dtype=torch.long, device=dev)}
+        # Inference tensors, like everything a replay computes: a compiled function sees one
+        # kind of tensor from every caller (a buffer made outside inference mode would make
+        # dynamo compile each layer half and sampler a second time for it).
+        with torch.inference_mode():
+            self.inputs = {
+                "frame": torch.zeros(max_batch, rows, dtype=torch.long, device=dev),
+                "input_pos": torch.zeros(max_batch, dtype=torch.long, device=dev),
+                "window": torch.zeros(max_batch, rows, PENALTY_WINDOW, dtype=torch.long, device=dev),
+                "noise": torch.ones(max_batch, noise_size(model), device=dev),
+                "temperature": torch.ones(max_batch, 1, device=dev),
+                "top_p": torch.ones(max_batch, 1, device=dev),
+                "penalty": torch.ones(max_batch, 1, device=dev),
+            }
+            c = model.config
+            self.first_inputs = {  # the first frame after a prefill shares the sampling inputs
+                "logits": torch.zeros(max_batch, c.semantic_vocab + 1, dtype=model.dtype, device=dev),
+                "hidden": torch.zeros(max_batch, c.fast_dim, dtype=model.dtype, device=dev),
+                **{k: self.inputs[k] for k in ("noise", "temperature", "top_p", "penalty")},
+            }
+            self.prefill_inputs = {"tokens": torch.zeros(1, rows, model.max_seq_len, dtype=torch.long, device=dev),
+                                   "last": torch.zeros(1, dtype=torch.long, device=dev)}
         self.pool = torch.cuda.graph_pool_handle()
         # (batch, bucket): decode steps; ("first", batch): first frames; ("prefill", bucket): prefills
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}

@@ -151,6 +151,10 @@ class TransformerBlock(nn.Module):
             q = pre(self, x, rope, input_pos)
             k, v = self.attention.kv_cache.read(live, row, x.shape[0])
             return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
+        if self.prefill_compiled is not None and x.shape[1] > 1:
+            pre, post = self.prefill_compiled  # admissions of the batching engine
+            q, k, v = pre(self, x, rope)
+            return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask, row))
         q, k, v = self._pre_attention(x, rope)
         return self._post_attention(x, self.attention.attend(q, k, v, input_pos, live, mask, row))
 
@@ -171,6 +175,7 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
     compiled: tuple | None = None
+    prefill_compiled: tuple | None = None
 
 
 class DualARTransformer(nn.Module):
@@ -217,7 +222,10 @@ class DualARTransformer(nn.Module):
         QK-norm, RoPE and the cache write before it; the rest after), once for all slow
         layers and once for all fast ones (same code, same shapes: the compiled graphs are
         shared), so no graph depends on the attention length and compilation stays short.
-        `dynamic_batch`: one compilation serves every batch size (the batching engine)."""
+        `dynamic_batch`: one compilation serves every batch size (the batching engine); the
+        slow layers' halves are then also compiled for prompts of any batch and length (its
+        admissions, which otherwise launch ~2,700 kernels one by one from Python, ~90 ms of
+        a decode loop that every active stream waits on)."""
         # One cache entry per layer shape and weight type (bf16, int8), per engine in this process.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         dynamic = None if dynamic_batch else False  # None: specialise, then generalise what changes
@@ -225,6 +233,11 @@ class DualARTransformer(nn.Module):
         post = torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=dynamic)
         for block in [*self.layers, *self.fast_layers]:
             block.compiled = (pre, post)
+        if dynamic_batch:
+            prefill = (torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=True),
+                       torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=True))
+            for block in self.layers:
+                block.prefill_compiled = prefill
 
     def head_rows(self) -> Tensor:
         """Vocabulary ids of the slow head's rows: semantic tokens, then <|im_end|>."""

@@ -29,3 +29,29 @@ def test_state_copied_through_flat_tensors_decodes_the_same(engine):
             stream.state = _rebuild(layout, torch._foreach_mul(tensors, 1))
         assert stream.pieces == 5
         torch.testing.assert_close(torch.cat(out, dim=-1), codec.decode(codes), atol=1e-4, rtol=0)
+
+
+def test_pieces_of_several_streams_decode_together_like_each_alone(engine):
+    """`push_many`: streams at different points of the schedule share the conv back's
+    batches (same-length pieces stacked, at most `max_batch_frames // largest` at once),
+    and each still gets its own whole-sequence audio."""
+    codec = engine.codec
+    codes = [torch.randint(0, 1024, (1, codec.n_rows, 30), generator=torch.Generator().manual_seed(10 + i)) for i in range(5)]
+    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)  # two pieces a batch
+    assert pieces.max_rows == 2
+    streams, out, at = [CodecStream() for _ in codes], [[] for _ in codes], [0] * len(codes)
+    starts = [0, 0, 1, 3, 3]  # later streams join while earlier ones are on longer pieces
+    rounds = 0
+    with torch.inference_mode():
+        while any(a < 30 for a in at):
+            batch = []
+            for i in range(len(codes)):
+                if rounds >= starts[i] and at[i] < 30:
+                    n = min(pieces.next_frames(streams[i]), 30 - at[i])
+                    batch.append((i, codes[i][..., at[i] : at[i] + n]))
+                    at[i] += n
+            for (i, _), audio in zip(batch, pieces.push_many([(streams[i], c) for i, c in batch])):
+                out[i].append(audio)
+            rounds += 1
+        for i in range(len(codes)):
+            torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)

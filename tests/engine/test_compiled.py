@@ -140,3 +140,29 @@ def test_a_prompt_padded_to_its_prefill_bucket_decodes_as_the_prompt_alone(tiny_
     assert torch.allclose(runs[0][0], runs[1][0], atol=1e-5)
     for a, b in zip(runs[0][1:], runs[1][1:]):
         assert torch.equal(a, b)
+
+
+def test_compiled_admission_prefill_matches_eager(tiny_checkpoint):
+    """The batching engine's compiled admission prefill (prompts of any batch and length, each
+    at its own positions in its own cache row) against the eager layers: logits and cache."""
+    engines = [Engine.from_pretrained(tiny_checkpoint, device="cpu") for _ in range(2)]
+    engines[1].model.compile_layers(dynamic_batch=True)
+    rows = 1 + engines[0].config.num_codebooks
+    outs = []
+    for engine in engines:
+        model = engine.model
+        model.setup_caches(4, 128)
+        got = []
+        with torch.inference_mode():
+            for batch, width, starts in ((1, 9, [0]), (3, 14, [0, 5, 20]), (2, 6, [3, 0])):
+                tokens = torch.randint(0, 1000, (batch, rows, width), generator=torch.Generator().manual_seed(width))
+                positions = torch.tensor(starts)[:, None] + torch.arange(width)
+                live = int(positions.max()) + 1
+                slots = torch.tensor([3, 0, 2][:batch])
+                logits, hidden = model.forward_slow(tokens, positions, live, key_pos=model.positions[:live], row=slots,
+                                                    last=torch.tensor([width - 1 - i for i in range(batch)]))
+                got += [logits, hidden]
+        got += [model.layers[-1].attention.kv_cache.k.clone()]
+        outs.append(got)
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()

@@ -107,7 +107,11 @@ def test_ten_concurrent_mixed_requests_equal_each_alone(server, tone, encode_aud
         together = list(pool.map(lambda b: invoke(server, b), bodies))
     alone = [invoke(server, b) for b in bodies]
     for (s1, _, a), (s2, _, b) in zip(together, alone):
-        assert s1 == s2 == 200 and a == b
+        # The same codes give the same audio up to rounding: pieces decoded in a batch with
+        # other requests' round differently in the last bits, a 16-bit sample by at most one step.
+        assert s1 == s2 == 200 and len(a) == len(b)
+        x, y = sf.read(io.BytesIO(a), dtype="int16")[0], sf.read(io.BytesIO(b), dtype="int16")[0]
+        assert np.abs(x.astype(int) - y).max() <= 1
     assert len({len(b) for *_, b in alone}) > 5
 
 
