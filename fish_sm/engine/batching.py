@@ -610,9 +610,15 @@ class CodecWorker:
                     while True:
                         items.append(self._queue.get_nowait())
                 running = None not in items
-                for kind, ticket, codes in (x for batch in items if batch is not None for x in batch):
-                    self._take(kind, ticket, codes)
-                self._decode_ready()
+                try:
+                    for kind, ticket, codes in (x for batch in items if batch is not None for x in batch):
+                        self._take(kind, ticket, codes)
+                    self._decode_ready()
+                except Exception as exc:  # never a dead codec thread: whoever it held gets the error
+                    logger.exception("codec worker failed")
+                    for entry in self._streams.values():
+                        entry.ticket.emit("error", exc)
+                    self._streams.clear()
 
     def _take(self, kind: str, ticket: Ticket, codes) -> None:
         key = id(ticket)

@@ -156,3 +156,35 @@ def _wait(condition, timeout=30.0):
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
+    """A batch of pieces that fails is retried piece by piece: the request whose piece fails
+    gets the error, the others in that batch still get their whole audio."""
+    batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
+    codec = batcher._codec.codec
+    push_many, cursed = codec.push_many, []
+
+    def failing(pieces):
+        cursed[:] = cursed or [pieces[0][0]]  # the first stream the codec ever sees
+        if any(stream is cursed[0] for stream, _ in pieces):
+            raise RuntimeError("codec broke")
+        return push_many(pieces)
+
+    codec.push_many = failing
+    jobs = [Job(TEXTS[i % 4], params=SamplingParams(seed=i, max_new_tokens=12)) for i in range(3)]
+    with batcher:
+        tickets = [batcher.submit(job) for job in jobs]
+        outcomes = []
+        for ticket in tickets:
+            try:
+                outcomes.append(ticket.result())
+            except RuntimeError as exc:
+                outcomes.append(exc)
+        after = batcher.submit(jobs[0]).result()  # the worker lives on
+    failed = [o for o in outcomes if isinstance(o, RuntimeError)]
+    assert len(failed) == 1 and str(failed[0]) == "codec broke"
+    for job, out in zip(jobs, outcomes):
+        if not isinstance(out, RuntimeError):
+            np.testing.assert_allclose(out.audio, run_alone(solo, job).audio, atol=1e-4)
+    np.testing.assert_allclose(after.audio, run_alone(solo, jobs[0]).audio, atol=1e-4)
