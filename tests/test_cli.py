@@ -76,4 +76,4 @@ def test_stream_and_pcm_are_offered():
         result = CliRunner().invoke(main, [command, "--help"])
         assert result.exit_code == 0 and "--stream" in result.output and "pcm" in result.output
     result = CliRunner().invoke(main, ["deploy", "--help"])
-    assert "75% of its batch slots" in " ".join(result.output.split())
+    assert "half of its batch slots" in " ".join(result.output.split())

@@ -176,9 +176,11 @@ DEFAULT_TARGETS = {"concurrency": 2.0, "invocations": 60.0, "backlog": 2.0}
 METRIC_UNITS = {"concurrency": "concurrent requests per instance", "invocations": "invocations per instance a minute",
                 "backlog": "queued requests per instance"}
 # The batching server decodes up to FISH_SM_MAX_BATCH requests together on each GPU. Scaling
-# out at 75% of those slots leaves room for a burst while new instances start (minutes),
-# before requests queue and, past FISH_SM_MAX_QUEUE, get 503.
-BATCH_TARGET_SHARE = 0.75
+# out at half of those slots keeps each stream fast and leaves room for a burst while new
+# instances start (minutes), before requests queue and, past FISH_SM_MAX_QUEUE, get 503: on
+# an H100 at 32 of 64 streams each stream still decodes at >= 5x real time with first audio
+# in ~0.3-0.4 s; at 64, 3-4x and ~0.6 s (docs/benchmarks.md, fourth pass).
+BATCH_TARGET_SHARE = 0.5
 DEFAULT_MAX_BATCH = 64  # FISH_SM_MAX_BATCH's default in fish_sm.serving.settings (not imported: no torch here)
 
 
@@ -206,7 +208,7 @@ def default_target(metric: str, *, instance_type: str, env: dict[str, str] | Non
                    stock_container: bool = False) -> tuple[float, str]:
     """The target value when --target is not given, and a short reason to print.
 
-    Concurrency on our image: 75% of the batch slots (FISH_SM_MAX_BATCH x GPUs). On the
+    Concurrency on our image: half of the batch slots (FISH_SM_MAX_BATCH x GPUs). On the
     multi-model server, and for invocations a minute (which depend on how long the texts
     are, so slots say little about them) or async backlog: the fixed DEFAULT_TARGETS.
     """

@@ -110,8 +110,8 @@ def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, co
 @click.option("--max", "max_instances", type=int, help="Autoscaling maximum; turns autoscaling on.")
 @click.option("--target", type=float,
               help="Target value of the scaling metric per instance. Default for concurrency: on fish-sm's image "
-                   "(the batching server) 75% of its batch slots, FISH_SM_MAX_BATCH (64 unless --env) x the "
-                   "instance's GPUs, e.g. 192 on ml.g5.12xlarge; with --stock-container or --env FISH_SM_SERVER=mms, "
+                   "(the batching server) half of its batch slots, FISH_SM_MAX_BATCH (64 unless --env) x the "
+                   "instance's GPUs, e.g. 128 on ml.g5.12xlarge; with --stock-container or --env FISH_SM_SERVER=mms, "
                    "2. Invocations: 60 a minute for every server (it depends on text length: measure req/s with "
                    "`fish-sm bench` and pass --target). Async backlog: 2.")
 @click.option("--metric", type=click.Choice(["concurrency", "invocations"]), default="concurrency", show_default=True,

@@ -129,7 +129,7 @@ def test_update_is_blue_green_with_rollback_alarm_and_reattaches_autoscaling(stu
     aa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN, "Alarms": []}, {
         "PolicyName": "fish-sm-concurrency", **policies_query, "PolicyType": "TargetTrackingScaling",
         "TargetTrackingScalingPolicyConfiguration": {
-            "TargetValue": 48.0, "ScaleInCooldown": 300, "ScaleOutCooldown": 60,  # 75% of 1 GPU x 64 slots
+            "TargetValue": 32.0, "ScaleInCooldown": 300, "ScaleOutCooldown": 60,  # half of 1 GPU x 64 slots
             "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerVariantConcurrentRequestsPerModelHighResolution"}}})
     aa.add_response("describe_scaling_policies", {"ScalingPolicies": [policy]}, policies_query)
     cw.add_response("describe_alarms", {"MetricAlarms": []},
@@ -140,8 +140,8 @@ def test_update_is_blue_green_with_rollback_alarm_and_reattaches_autoscaling(stu
     assert any("blue/green" in line and "invocation-5xx" in line for line in lines)
     assert any("removed scalable target" in line and "instance type changes from ml.g5.2xlarge" in line for line in lines)
     assert [line for line in lines if "] tts:" in line] == ["[00:00] tts: Updating", "[00:00] tts: InService"]
-    assert lines[0] == ("autoscaling target: 48 concurrent requests per instance "
-                        "(75% of the batching server's 64 slots: 1 GPU x FISH_SM_MAX_BATCH 64)")
+    assert lines[0] == ("autoscaling target: 32 concurrent requests per instance "
+                        "(50% of the batching server's 64 slots: 1 GPU x FISH_SM_MAX_BATCH 64)")
     for s in stubs.values():
         s.assert_no_pending_responses()
 
@@ -245,15 +245,15 @@ def test_default_targets_by_server_and_instance():
                                      scale_to_zero=False, instance_type=instance_type, **kwargs)
         return scaling.target
 
-    assert target("ml.g5.12xlarge") == 4 * 64 * 0.75 == 192
-    assert target("ml.g5.xlarge") == 48 and target("ml.p5.48xlarge") == 8 * 64 * 0.75
-    assert target("ml.g5.12xlarge", env={"FISH_SM_MAX_BATCH": "16"}) == 48
+    assert target("ml.g5.12xlarge") == 4 * 64 * 0.5 == 128
+    assert target("ml.g5.xlarge") == 32 and target("ml.p5.48xlarge") == 8 * 64 * 0.5
+    assert target("ml.g5.12xlarge", env={"FISH_SM_MAX_BATCH": "16"}) == 32
     assert target("ml.g5.12xlarge", stock_container=True) == d.DEFAULT_TARGETS["concurrency"] == 2.0
     assert target("ml.g5.12xlarge", env={"FISH_SM_SERVER": "MMS"}) == 2.0
     assert target("ml.g5.12xlarge", target=7) == 7.0
     assert target("ml.g5.12xlarge", metric="invocations") == 60.0  # depends on text length, not slots
     assert target("ml.g5.12xlarge", is_async=True) == 2.0  # async: backlog per instance
     value, why = d.default_target("concurrency", instance_type="ml.g7.xlarge")
-    assert value == 48 and "not in fish-sm's GPU table, counted as 1 GPU" in why
+    assert value == 32 and "not in fish-sm's GPU table, counted as 1 GPU" in why
     with pytest.raises(InputError, match="FISH_SM_MAX_BATCH='0' must be a whole number"):
         target("ml.g5.xlarge", env={"FISH_SM_MAX_BATCH": "0"})

@@ -248,7 +248,7 @@ def test_redeploy_replaces_autoscaling_and_delete_leaves_other_endpoints(moto_ur
 
 
 def test_default_concurrency_target_follows_the_server(moto_url):
-    """Our image (batching server): 75% of FISH_SM_MAX_BATCH x GPUs; the one-request-per-GPU servers: the old 2."""
+    """Our image (batching server): half of FISH_SM_MAX_BATCH x GPUs; the one-request-per-GPU servers: the old 2."""
     s3, aa = client(moto_url, "s3"), client(moto_url, "application-autoscaling")
     s3.create_bucket(Bucket="fish-sm-targets")
     s3.put_object(Bucket="fish-sm-targets", Key="model.tar.gz", Body=b"x")
@@ -257,8 +257,8 @@ def test_default_concurrency_target_follows_the_server(moto_url):
     image = ["--image", "123.dkr/fish-sm:1"]
     stock = ["--stock-container", "--image", "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-inference:2.6-gpu-py312"]
     cases = [
-        ("batching", [*image], 192.0, "(75% of the batching server's 256 slots: 4 GPUs x FISH_SM_MAX_BATCH 64)"),
-        ("batch-32", [*image, "--env", "FISH_SM_MAX_BATCH=32"], 96.0, "128 slots: 4 GPUs x FISH_SM_MAX_BATCH 32"),
+        ("batching", [*image], 128.0, "(50% of the batching server's 256 slots: 4 GPUs x FISH_SM_MAX_BATCH 64)"),
+        ("batch-32", [*image, "--env", "FISH_SM_MAX_BATCH=32"], 64.0, "128 slots: 4 GPUs x FISH_SM_MAX_BATCH 32"),
         ("mms-env", [*image, "--env", "FISH_SM_SERVER=mms"], 2.0, "one request at a time per GPU worker"),
         ("stock", stock, 2.0, "one request at a time per GPU worker"),
         ("given", [*image, "--target", 10], 10.0, "(given with --target)"),
