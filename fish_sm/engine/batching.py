@@ -671,12 +671,12 @@ class CodecWorker:
     def _pieces(self, ready: list[tuple["_Audio", list[np.ndarray]]]) -> list[np.ndarray]:
         dev = self.engine.device
         pieces = [(entry.stream, torch.from_numpy(np.stack(frames, axis=1))[None].to(dev)) for entry, frames in ready]
-        states = [(entry.stream.state, entry.stream.back, entry.stream.pieces) for entry, _ in ready]
+        saved = [entry.stream.snapshot() for entry, _ in ready]
         try:
             audio = self.codec.push_many(pieces)
         except Exception:
-            for (entry, _), (state, back, index) in zip(ready, states):  # as they were, for a retry
-                entry.stream.state, entry.stream.back, entry.stream.pieces = state, back, index
+            for (entry, _), stream in zip(ready, saved):  # as they were, for a retry
+                entry.stream = stream
             raise
         return [a[0].float().cpu().numpy() for a in audio]
 

@@ -42,6 +42,12 @@ class CodecStream:
     back: Optional[list[Tensor]] = None
     pieces: int = 0
 
+    def snapshot(self) -> "CodecStream":
+        """A copy to go back to if a decode fails. It shares the tensors: decoding replaces
+        them (and the dict and caches holding them), never writes into them."""
+        layout, tensors = _flatten(self.state)
+        return CodecStream(_rebuild(layout, tensors), self.back, self.pieces)
+
 
 def _flatten(state: State) -> tuple[list, list[Tensor]]:
     """The state's layout and its tensors in a fixed order (the layout rebuilds it)."""

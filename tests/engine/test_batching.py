@@ -159,17 +159,19 @@ def _wait(condition, timeout=30.0):
 
 
 def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
-    """A batch of pieces that fails is retried piece by piece: the request whose piece fails
-    gets the error, the others in that batch still get their whole audio."""
+    """A batch of pieces that fails is retried piece by piece, each stream from the state it
+    had before: the request whose piece fails gets the error, the others in that batch still
+    get their whole audio."""
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
     codec = batcher._codec.codec
     push_many, cursed = codec.push_many, []
 
     def failing(pieces):
-        cursed[:] = cursed or [pieces[0][0]]  # the first stream the codec ever sees
-        if any(stream is cursed[0] for stream, _ in pieces):
+        cursed[:] = cursed or [pieces[0][1].clone()]  # the first piece the codec ever sees
+        audio = push_many(pieces)  # every stream's state has moved on when the batch fails
+        if any(codes.shape == cursed[0].shape and torch.equal(codes, cursed[0]) for _, codes in pieces):
             raise RuntimeError("codec broke")
-        return push_many(pieces)
+        return audio
 
     codec.push_many = failing
     jobs = [Job(TEXTS[i % 4], params=SamplingParams(seed=i, max_new_tokens=12)) for i in range(3)]
@@ -181,10 +183,11 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
                 outcomes.append(ticket.result())
             except RuntimeError as exc:
                 outcomes.append(exc)
-        after = batcher.submit(jobs[0]).result()  # the worker lives on
+        later = Job(TEXTS[3], params=SamplingParams(seed=7, max_new_tokens=12))
+        after = batcher.submit(later).result()  # the worker lives on
     failed = [o for o in outcomes if isinstance(o, RuntimeError)]
     assert len(failed) == 1 and str(failed[0]) == "codec broke"
     for job, out in zip(jobs, outcomes):
         if not isinstance(out, RuntimeError):
             np.testing.assert_allclose(out.audio, run_alone(solo, job).audio, atol=1e-4)
-    np.testing.assert_allclose(after.audio, run_alone(solo, jobs[0]).audio, atol=1e-4)
+    np.testing.assert_allclose(after.audio, run_alone(solo, later).audio, atol=1e-4)
