@@ -28,7 +28,6 @@ import collections
 import contextlib
 import hashlib
 import logging
-import math
 import queue
 import sys
 import threading
@@ -43,8 +42,8 @@ from torch import Tensor
 from fish_sm.engine.codec_stream import CodecStream, StreamingCodec
 from fish_sm.engine.engine import (DEFAULT_CHUNK_LENGTH, Engine, Reference, Synthesis, check_text,
                                    request_generator)
-from fish_sm.engine.generate import (GraphedStep, HostCopy, attention_bucket, decode_frame, frame_budget,
-                                     noise_size, sample_frame)
+from fish_sm.engine.generate import (GraphedStep, HostCopy, attention_bucket, batch_sizes, decode_frame,
+                                     frame_budget, noise_size, sample_frame)
 from fish_sm.engine.prompt import chunk_prompt, prompt_prefix
 from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
 from fish_sm.engine.text import split_text
@@ -552,12 +551,6 @@ def _prefill_groups(ready: list) -> list[list]:
             group = []
         group.append(item)
     return groups + [group] if group else groups
-
-
-def batch_sizes(slots: int) -> list[int]:
-    """The batch sizes a step runs at: powers of two up to `slots`, and `slots`."""
-    sizes = [1 << i for i in range(int(math.log2(slots)) + 1)]
-    return sorted({*sizes, slots})
 
 
 class CodecWorker:

@@ -336,7 +336,9 @@ def _codec_pieces_check(engine: Engine, pieces) -> tuple[float, float, float]:
 
     codes = torch.randint(0, 1024, (1, engine.config.num_codebooks, 300), generator=torch.Generator().manual_seed(3)).to(engine.device)
 
-    def side_by_side(streams: int = 16) -> None:
+    streams = 16
+
+    def side_by_side() -> None:
         states, at = [CodecStream() for _ in range(streams)], 0
         while at < codes.shape[-1]:
             n = min(pieces.next_frames(states[0]), codes.shape[-1] - at)
@@ -347,7 +349,7 @@ def _codec_pieces_check(engine: Engine, pieces) -> tuple[float, float, float]:
         diff = (decode_in_pieces(pieces, codes) - engine.codec.decode(codes)).abs().max().item()
         seconds = statistics.median(_timed(lambda: decode_in_pieces(pieces, codes), engine.device) for _ in range(3))
         many = statistics.median(_timed(side_by_side, engine.device) for _ in range(3))
-    return diff, codes.shape[-1] / seconds, 16 * codes.shape[-1] / many
+    return diff, codes.shape[-1] / seconds, streams * codes.shape[-1] / many
 
 
 COLD_WARM = """

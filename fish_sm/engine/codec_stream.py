@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from fish_sm.engine.generate import batch_sizes
 from fish_sm.model.codec import Codec, KVCache, State
 
 
@@ -122,36 +123,39 @@ class ConvBack(nn.Module):
     def __init__(self, codec: Codec, compiled: bool):
         super().__init__()
         self.decoder = codec.decoder
+        self.latent_dim = codec.config.latent_dim
+        self.steps = codec.frame_length // codec.config.hop_length  # latent steps per code frame
         template: dict = {}
         with torch.inference_mode():
-            latent = codec.config.latent_dim
-            self.decoder(codec._param.new_zeros(1, latent, 1), template)
+            self.decoder(codec._param.new_zeros(1, self.latent_dim, 1), template)
         self.stateful = [m for m in self.decoder.modules() if m in template]
         self.shapes = [tuple(template[m].shape[1:]) for m in self.stateful]
         self.compiled = torch.compile(self._step) if compiled else None
         self.warmed = False  # after start-up, a shape the compiled code has not seen runs eagerly
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, length) -> graph, inputs, outputs
 
-    def initial(self) -> list[Tensor]:
-        """The context before a stream's first piece."""
+    def initial(self, rows: int = 1) -> list[Tensor]:
+        """The context before a stream's first piece, for `rows` streams."""
         p = self.decoder.model[0].conv.weight
-        return [p.new_zeros(1, *shape) for shape in self.shapes]
+        return [p.new_zeros(rows, *shape) for shape in self.shapes]
+
+    def silence(self, rows: int, frames: int) -> Tensor:
+        """Latents of `rows` pieces of `frames` code frames, all zero (start-up work)."""
+        return self.decoder.model[0].conv.weight.new_zeros(rows, self.latent_dim, frames * self.steps)
 
     def _step(self, latents: Tensor, contexts: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         state = dict(zip(self.stateful, contexts))
         audio = self.decoder(latents, state)[:, 0]
         return audio, [state[m] for m in self.stateful]
 
-    def capture(self, rows: int, length: int, pool) -> None:
-        """A graph for `rows` pieces of `length` latent steps (after the compiled code has run them)."""
-        p = self.decoder.model[0].conv.weight
-        latents = p.new_zeros(rows, p.shape[1], length)
-        contexts = [p.new_zeros(rows, *shape) for shape in self.shapes]
+    def capture(self, rows: int, frames: int, pool) -> None:
+        """A graph for `rows` pieces of `frames` code frames (after the compiled code has run them)."""
+        latents, contexts = self.silence(rows, frames), self.initial(rows)
         self._run(latents, contexts)  # compiled for this shape, and warmed up, outside the graph
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             audio, new = self._run(latents, contexts)
-        self.graphs[(rows, length)] = (graph, latents, contexts, audio, new)
+        self.graphs[(rows, latents.shape[-1])] = (graph, latents, contexts, audio, new)
 
     def forward(self, latents: Tensor, contexts: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """latents [B, latent_dim, T], contexts [B, ...] each -> audio [B, samples], new contexts."""
@@ -235,9 +239,7 @@ class StreamingCodec:
         device = self.codec._param.device
         if device.type != "cuda":
             return 0
-        steps = self.codec.frame_length // self.codec.config.hop_length
-        latents = self.codec._param.new_zeros(self.max_rows, self.codec.config.latent_dim, self.largest * steps)
-        contexts = [torch.cat([c] * self.max_rows) for c in self.back.initial()]
+        latents, contexts = self.back.silence(self.max_rows, self.largest), self.back.initial(self.max_rows)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -253,18 +255,14 @@ class StreamingCodec:
             return
         device = self.codec._param.device
         together, alone = [CodecStream() for _ in range(self.max_rows)], CodecStream()
-        lengths = set()
-        for index in range(min(pieces, self.max_graphs)):
-            n = piece_frames(index, self.first, self.largest)
+        lengths = [piece_frames(index, self.first, self.largest) for index in range(min(pieces, self.max_graphs))]
+        for n in lengths:
             codes = torch.zeros(1, self.codec.n_rows, n, dtype=torch.long, device=device)
             self.push_many([(stream, codes) for stream in together])
-            lengths.add(n)
             self.push(alone, codes)
-        steps = self.codec.frame_length // self.codec.config.hop_length  # latent steps per frame
-        rows = sorted({1 << i for i in range(self.max_rows.bit_length()) if 1 << i <= self.max_rows} | {self.max_rows})
-        for n in sorted(lengths):
-            for r in rows:
-                self.back.capture(r, n * steps, self._pool)
+        for n in sorted(set(lengths)):
+            for rows in batch_sizes(self.max_rows):
+                self.back.capture(rows, n, self._pool)
         self.back.warmed = True
 
 

@@ -101,6 +101,11 @@ def length_buckets(max_seq_len: int) -> list[int]:
     return sorted({attention_bucket(max_seq_len, live) for live in range(LIVE_BUCKET, max_seq_len + LIVE_BUCKET, LIVE_BUCKET)})
 
 
+def batch_sizes(most: int) -> list[int]:
+    """The batch sizes captured as graphs: powers of two up to `most`, and `most`."""
+    return sorted({*(1 << i for i in range(most.bit_length()) if 1 << i <= most), most})
+
+
 class GraphedStep:
     """`decode_frame` replayed from CUDA graphs, one per (batch size, attention bucket), so a
     frame is a single launch of all its kernels with no Python or launch overhead between

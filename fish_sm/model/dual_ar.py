@@ -151,12 +151,11 @@ class TransformerBlock(nn.Module):
             q = pre(self, x, rope, input_pos)
             k, v = self.attention.kv_cache.read(live, row, x.shape[0])
             return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
+        pre, post = TransformerBlock._pre_attention, TransformerBlock._post_attention
         if self.prefill_compiled is not None and x.shape[1] > 1:
             pre, post = self.prefill_compiled  # admissions of the batching engine
-            q, k, v = pre(self, x, rope)
-            return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask, row))
-        q, k, v = self._pre_attention(x, rope)
-        return self._post_attention(x, self.attention.attend(q, k, v, input_pos, live, mask, row))
+        q, k, v = pre(self, x, rope)
+        return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask, row))
 
     def _pre_attention(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.attention.project(self.attention_norm(x), rope)
