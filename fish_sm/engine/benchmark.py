@@ -189,7 +189,7 @@ def kernel_profile(run, calls: int, device: torch.device, top: int = 25) -> dict
                      "share": sum(v) / total} for n, v in ranked]}
 
 
-def profile_decode(engine: Engine, batch: int, live: int, calls: int = 20) -> dict:
+def profile_decode(engine: Engine, batch: int, live: int, calls: int = 20, top: int = 25) -> dict:
     """One decode step of `batch` rows at `live` cache slots: its kernels (see
     `kernel_profile`) and the time of its CUDA graph replay (CUDA, compiled engines)."""
     model, dev = engine.model, engine.device
@@ -205,7 +205,8 @@ def profile_decode(engine: Engine, batch: int, live: int, calls: int = 20) -> di
     key_pos = model.positions[: attention_bucket(model.max_seq_len, live)]
     args = (model, frame, pos, window, noise, t, p, r)
     with torch.inference_mode():
-        out = kernel_profile(lambda: decode_frame(*args, key_pos=key_pos, probs_fn=step.probs_for(batch)), calls, dev)
+        out = kernel_profile(lambda: decode_frame(*args, key_pos=key_pos, pickers=step.pickers_for(batch)), calls, dev,
+                             top)
         replay = lambda: step(*args, key_pos=key_pos)
         replay()
         out["graph_ms_per_call"] = statistics.median(_timed(replay, dev) * 1e3 for _ in range(calls))

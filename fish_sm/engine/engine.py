@@ -121,7 +121,10 @@ class Engine:
         except ImportError:
             raise FishSMError("INT8 quantization needs torchao matching this torch (pip install torchao), "
                               "or turn it off (FISH_SM_QUANTIZE=none)") from None
-        quantize_(self.model, Int8WeightOnlyConfig(), filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
+        # Not torchao's process-wide inductor settings: the decode step sets its own
+        # (dual_ar.ONE_ROW_OPTIONS), and the codec's compile should not inherit them.
+        quantize_(self.model, Int8WeightOnlyConfig(set_inductor_config=False),
+                  filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
         for name in ("embeddings", "codebook_embeddings"):
             setattr(self.model, name, Int8Embedding(getattr(self.model, name).weight))
         self.quantized = True

@@ -14,14 +14,14 @@ or compiled with torch.compile.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
 
 from fish_sm.errors import InputError
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE
-from fish_sm.model.dual_ar import DualARTransformer
+from fish_sm.model.dual_ar import DualARTransformer, compile_decode
 from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices, logits_to_probs
 
 
@@ -31,8 +31,28 @@ def noise_size(model: DualARTransformer) -> int:
     return c.semantic_vocab + 1 + (c.num_codebooks - 1) * RESIDUAL_CODEBOOK_SIZE
 
 
+def pick(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
+         previous: Tensor | None, sort_free: bool = False) -> Tensor:
+    """One sampled index per row: argmax of probs / Exp(1) noise (see `sampling.sample`)."""
+    probs = logits_to_probs(logits, temperature, top_p, penalty, previous, sort_free)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def pick_residual(model: DualARTransformer, hidden: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor,
+                  penalty: Tensor, previous: Tensor | None, sort_free: bool = False) -> Tensor:
+    """A residual code per row from the fast transformer's hidden state: its head, then `pick`."""
+    return pick(model.fast_logits(hidden), noise, temperature, top_p, penalty, previous, sort_free)
+
+
+class Pickers(NamedTuple):
+    """The functions `sample_frame` picks codes with: these, eager, or their compiled
+    versions (the graphs': head, nucleus, softmax and draw in a few fused kernels)."""
+    head: Callable[..., Tensor] = pick
+    residual: Callable[..., Tensor] = pick_residual
+
+
 def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, window: Tensor | None, noise: Tensor,
-                 temperature: Tensor, top_p: Tensor, penalty: Tensor, probs_fn=logits_to_probs) -> Tensor:
+                 temperature: Tensor, top_p: Tensor, penalty: Tensor, pickers: Pickers = Pickers()) -> Tensor:
     """The slow head's choice and the fast transformer's codes for one frame of each of B rows.
 
     logits [B, semantic_vocab + 1], hidden [B, fast_dim], window [B, 1 + C, 16] (None for
@@ -42,8 +62,7 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
     c = model.config
     n_head = c.semantic_vocab + 1
     head_prev = None if window is None else head_penalty_indices(window[:, :, 0], model.semantic_begin_id, c.semantic_vocab, model.im_end_id)
-    probs = probs_fn(logits, temperature, top_p, penalty, head_prev)
-    row = torch.argmax(probs / noise[:, :n_head], dim=-1)
+    row = pickers.head(logits, noise[:, :n_head], temperature, top_p, penalty, head_prev)
     is_end = row == c.semantic_vocab
     token = torch.where(is_end, model.im_end_id, row + model.semantic_begin_id)
     code = torch.where(is_end, 0, row)
@@ -51,17 +70,16 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
     model.forward_fast(hidden, 0)  # fills position 0 of the fast cache; its logits are unused
     for i in range(1, c.num_codebooks):
         h = model.forward_fast(model.fast_embeddings(code), i)
-        logits_i = model.fast_logits(h)[:, :RESIDUAL_CODEBOOK_SIZE]
-        probs = probs_fn(logits_i, temperature, top_p, penalty, None if window is None else window[:, i + 1])
         start = n_head + (i - 1) * RESIDUAL_CODEBOOK_SIZE
-        code = torch.argmax(probs / noise[:, start : start + RESIDUAL_CODEBOOK_SIZE], dim=-1)
+        code = pickers.residual(model, h, noise[:, start : start + RESIDUAL_CODEBOOK_SIZE], temperature, top_p,
+                                penalty, None if window is None else window[:, i + 1])
         codes.append(code)
     return torch.stack([token, *codes], dim=1)
 
 
 def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, window: Tensor, noise: Tensor,
                  temperature: Tensor, top_p: Tensor, penalty: Tensor, live: int = 0,
-                 key_pos: Tensor | None = None, probs_fn=logits_to_probs) -> Tensor:
+                 key_pos: Tensor | None = None, pickers: Pickers = Pickers()) -> Tensor:
     """Feed each row's previous frame (frame [B, 1 + C], at input_pos [B], in cache rows 0..B-1)
     and sample the next ones; sampling parameters are [B, 1], one per row.
 
@@ -73,7 +91,7 @@ def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, win
     # several: one position per row (an indexed write).
     positions = input_pos if frame.shape[0] == 1 else input_pos[:, None]
     logits, hidden = model.forward_slow(frame[:, :, None], positions, live, key_pos)
-    return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty, probs_fn)
+    return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty, pickers)
 
 
 FrameFn = Callable[..., Tensor]
@@ -120,8 +138,9 @@ class GraphedStep:
         # the graphs then replay those kernels.
         model.compile_layers(dynamic_batch=max_batch > 1)
         # One row: the residual codebooks' nucleus without a sort (see sampling.PAIRWISE_MAX_VOCAB).
-        self.probs_one = torch.compile(functools.partial(logits_to_probs, sort_free=True), fullgraph=True, dynamic=False)
-        self.probs_many = torch.compile(logits_to_probs, fullgraph=True, dynamic=None)
+        self.pickers_one = Pickers(*(compile_decode(functools.partial(f, sort_free=True), one_row=True)
+                                     for f in (pick, pick_residual)))
+        self.pickers_many = Pickers(*(compile_decode(f, one_row=False) for f in (pick, pick_residual)))
         # Inference tensors, like everything a replay computes: a compiled function sees one
         # kind of tensor from every caller (a buffer made outside inference mode would make
         # dynamo compile each layer half and sampler a second time for it).
@@ -153,10 +172,10 @@ class GraphedStep:
         x["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
         self.graphs[(batch, bucket)] = self._capture(lambda: decode_frame(
             model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"], x["top_p"], x["penalty"],
-            key_pos=model.positions[:bucket], probs_fn=self.probs_for(batch)))
+            key_pos=model.positions[:bucket], pickers=self.pickers_for(batch)))
 
-    def probs_for(self, batch: int):
-        return self.probs_one if batch == 1 else self.probs_many
+    def pickers_for(self, batch: int) -> Pickers:
+        return self.pickers_one if batch == 1 else self.pickers_many
 
     def capture_all(self, batches=(1,), prefill: bool = False) -> None:
         """Every decode step and first frame of these batch sizes; with `prefill`, the
@@ -177,7 +196,7 @@ class GraphedStep:
         model, x = self.model, {k: v[:batch] for k, v in self.first_inputs.items()}
         self.graphs[("first", batch)] = self._capture(lambda: sample_frame(
             model, x["logits"], x["hidden"], None, x["noise"], x["temperature"], x["top_p"], x["penalty"],
-            probs_fn=self.probs_for(batch)))
+            pickers=self.pickers_for(batch)))
 
     def first_frame(self, logits, hidden, noise, temperature, top_p, penalty) -> Tensor:
         """`sample_frame` after a prefill (no window) for B rows, replayed from the smallest

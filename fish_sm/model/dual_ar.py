@@ -9,8 +9,9 @@ ones before it.
 
 Layout, names and numerics follow upstream (RoPE tables rounded to bf16, RMSNorm in
 float32, GQA), so the official `model.pth` loads unchanged. Two things differ by
-design: the slow head only has the rows it may choose from (the semantic tokens and
-`<|im_end|>`, see `head_rows`), and attention reads the live part of the KV cache only.
+design: the heads only have the rows that may be chosen (the slow head: the semantic
+tokens and `<|im_end|>`, see `head_rows`; the fast head: the residual codebooks' 1,024
+codes), and attention reads the live part of the KV cache only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fish_sm.errors import CheckpointError
-from fish_sm.model.config import ModelConfig
+from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE, ModelConfig
 from fish_sm.model.layers import RMSNorm, apply_rope, rope_table
 from fish_sm.model.weights import read_state_dict, strip_prefix, take
 
@@ -147,7 +148,7 @@ class TransformerBlock(nn.Module):
         if self.compiled is not None and x.shape[1] == 1 and isinstance(row, int) and row == 0:
             # A decode step: the compiled halves (see DualARTransformer.compile_layers); the
             # first also writes the step's k/v into the cache, attention runs between them.
-            pre, post = self.compiled
+            pre, post = self.compiled[x.shape[0] > 1]
             q = pre(self, x, rope, input_pos)
             k, v = self.attention.kv_cache.read(live, row, x.shape[0])
             return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
@@ -173,8 +174,29 @@ class TransformerBlock(nn.Module):
         h = x + self.attention.wo(y)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    compiled: tuple | None = None
+    compiled: tuple | None = None  # ((pre, post) for one row, (pre, post) for several)
     prefill_compiled: tuple | None = None
+
+
+# Inductor options for a decode step of one row. With coordinate-descent tuning, inductor
+# turns a one-row matmul into a tuned Triton reduction (bf16, or int8 converted as it is
+# read) and fuses into it the norm before it and the SwiGLU and residual add around it: on
+# an H100 a frame runs 862 kernels instead of 1,066, 8% more frames/s (docs/benchmarks.md,
+# fifth pass). Not the static launcher: torch 2.11 reloads its kernels from the compile
+# cache without their tuned configs and tunes them again at every start (what it launches
+# outside CUDA graphs is not on the decode path).
+ONE_ROW_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
+# Several rows (the batching engine): matmuls stay with cuBLAS, and tuning would be redone
+# for every batch size at start.
+MANY_ROWS_OPTIONS: dict = {}
+
+
+def compile_decode(fn, one_row: bool):
+    """`torch.compile` as the decode step's functions use it: for one row, static shapes and
+    `ONE_ROW_OPTIONS`; for several, one graph for any number (specialised to the first
+    batch size seen, then generalised) and `MANY_ROWS_OPTIONS`."""
+    options = ONE_ROW_OPTIONS if one_row else MANY_ROWS_OPTIONS
+    return torch.compile(fn, fullgraph=True, dynamic=False if one_row else None, options=dict(options))
 
 
 class DualARTransformer(nn.Module):
@@ -201,7 +223,9 @@ class DualARTransformer(nn.Module):
             for _ in range(c.n_fast_layer)
         )
         self.fast_norm = RMSNorm(c.fast_dim, c.norm_eps)
-        self.fast_output = nn.Linear(c.fast_dim, c.codebook_size, bias=False)
+        # The fast head: only the rows of the residual codebooks' codes (its first 1,024), the
+        # only ones sampled; the checkpoint's other rows are never read.
+        self.fast_output = nn.Linear(c.fast_dim, RESIDUAL_CODEBOOK_SIZE, bias=False)
         self.register_buffer("rope", rope_table(c.max_seq_len, c.head_dim, c.rope_base), persistent=False)
         self.register_buffer("fast_rope", rope_table(c.num_codebooks, c.fast_head_dim, c.rope_base), persistent=False)
         self.register_buffer("codebook_offsets", torch.arange(c.num_codebooks) * c.codebook_size, persistent=False)
@@ -221,17 +245,17 @@ class DualARTransformer(nn.Module):
         QK-norm, RoPE and the cache write before it; the rest after), once for all slow
         layers and once for all fast ones (same code, same shapes: the compiled graphs are
         shared), so no graph depends on the attention length and compilation stays short.
-        `dynamic_batch`: one compilation serves every batch size (the batching engine); the
-        slow layers' halves are then also compiled for prompts of any batch and length (its
+        Steps of one row and of several are compiled apart (see `compile_decode`).
+        `dynamic_batch` (the batching engine): the slow layers' halves are also compiled for
+        prompts of any batch and length (its
         admissions, which otherwise launch ~2,700 kernels one by one from Python, ~90 ms of
         a decode loop that every active stream waits on)."""
         # One cache entry per layer shape and weight type (bf16, int8), per engine in this process.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        dynamic = None if dynamic_batch else False  # None: specialise, then generalise what changes
-        pre = torch.compile(TransformerBlock._pre_attention_writing, fullgraph=True, dynamic=dynamic)
-        post = torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=dynamic)
+        halves = TransformerBlock._pre_attention_writing, TransformerBlock._post_attention
+        compiled = tuple(tuple(compile_decode(f, one_row) for f in halves) for one_row in (True, False))
         for block in [*self.layers, *self.fast_layers]:
-            block.compiled = (pre, post)
+            block.compiled = compiled
         if dynamic_batch:
             prefill = (torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=True),
                        torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=True))
@@ -305,6 +329,7 @@ class DualARTransformer(nn.Module):
         return x[:, 0]
 
     def fast_logits(self, hidden: Tensor) -> Tensor:
+        """Logits of the residual codebooks' 1,024 codes."""
         return self.fast_output(self.fast_norm(hidden))
 
 
@@ -379,6 +404,7 @@ def load_dual_ar(path, config: ModelConfig, semantic_begin_id: int, im_end_id: i
     with torch.device("meta"):
         model = DualARTransformer(config, semantic_begin_id, im_end_id)
     state["head.weight"] = out_weight[model.head_rows()]
+    state["fast_output.weight"] = state["fast_output.weight"][:RESIDUAL_CODEBOOK_SIZE]
     for name in [n for n in state if n.endswith("feed_forward.w1.weight")]:
         stem = name[: -len("w1.weight")]
         state[stem + "w13.weight"] = torch.cat([state.pop(stem + "w1.weight"), state.pop(stem + "w3.weight")])

@@ -74,9 +74,11 @@ def test_compiled_layers_write_the_cache_as_eager_ones_do(tiny_checkpoint, batch
                 noise = torch.empty(batch, noise_size(model)).exponential_(1, generator=g)
                 frame = decode_frame(model, frame, pos, window, noise, t, p, r, key_pos=model.positions[:16])
                 frames.append(frame)
-        outs.append((torch.stack(frames), model.layers[0].attention.kv_cache.k.clone()))
+        outs.append((torch.stack(frames), model.layers[0].attention.kv_cache.k.clone(),
+                     model.fast_layers[-1].attention.kv_cache.v.clone()))
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.allclose(outs[0][1], outs[1][1], atol=1e-5)
+    assert torch.allclose(outs[0][2], outs[1][2], atol=1e-5)
 
 
 def test_prefill_buckets_cover_every_prompt_length():

@@ -118,7 +118,7 @@ def test_fast_transformer_logits_every_codebook(models):
         for i in range(1, 10):
             theirs = up.forward_generate_fast(up.fast_embeddings(codes[i - 1 : i]), torch.tensor([i]))[0, -1]
             mine = ours.fast_logits(ours.forward_fast(ours.fast_embeddings(codes[i - 1 : i]), i))[0]
-            worst = max(worst, (theirs - mine).abs().max().item())
+            worst = max(worst, (theirs[: mine.shape[0]] - mine).abs().max().item())  # ours: the 1,024 sampled rows
     print(f"\nfast head: logits max|d| over codebooks 1..9 {worst:.2e}")
     assert worst < 1e-5
 

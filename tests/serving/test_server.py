@@ -3,6 +3,7 @@
 import base64
 import io
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -32,8 +33,12 @@ def invoke(server, body, content_type="application/json", accept=None):
 def test_ping_is_healthy_only_once_the_model_is_loaded(server):
     assert server.pings[-1] == 200
     assert 200 not in server.pings[:-1]  # connection refused (0) or 503 while loading, never 200 early
-    log = server.log.read_text()
-    assert "model_fn ready" in log and "model_fn warmup" in log
+    # The worker's log lines reach the server's log through Java's logger, which may write
+    # them a moment after /ping turned healthy.
+    deadline = time.monotonic() + 15
+    while not ("model_fn ready" in (log := server.log.read_text()) and "model_fn warmup" in log):
+        assert time.monotonic() < deadline, log[-2000:]
+        time.sleep(0.2)
 
 
 def test_json_request_with_packaged_voice_returns_wav(server):
