@@ -168,3 +168,29 @@ def test_compiled_admission_prefill_matches_eager(tiny_checkpoint):
         outs.append(got)
     for a, b in zip(*outs):
         assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_compiled_pickers_pick_as_eager_ones(tiny_checkpoint, rows):
+    """The graphs' compiled pickers (head and residual codes; one row with the sort-free
+    nucleus and the one-row inductor options, several rows without) against eager picking."""
+    import functools
+
+    from fish_sm.engine.generate import pick, pick_residual
+    from fish_sm.engine.sampling import SamplingParams
+    from fish_sm.model.dual_ar import compile_decode
+
+    model = Engine.from_pretrained(tiny_checkpoint, device="cpu").model
+    c, g = model.config, torch.Generator().manual_seed(rows)
+    t, p, r = (x.view(1, 1).expand(rows, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+    logits = torch.randn(rows, c.semantic_vocab + 1, generator=g) * 3
+    hidden = torch.randn(rows, c.fast_dim, generator=g)
+    previous = torch.randint(0, 1024, (rows, 16), generator=g)
+    one_row = rows == 1
+    with torch.inference_mode():
+        for f, args in ((pick, (logits, torch.empty_like(logits).exponential_(generator=g))),
+                        (pick_residual, (model, hidden, torch.empty(rows, 1024).exponential_(generator=g)))):
+            eager = functools.partial(f, sort_free=one_row)
+            compiled = compile_decode(eager, one_row)
+            for prev in (None, previous):
+                assert torch.equal(compiled(*args, t, p, r, prev), eager(*args, t, p, r, prev))
