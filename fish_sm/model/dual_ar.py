@@ -195,8 +195,12 @@ def compile_decode(fn, one_row: bool):
     """`torch.compile` as the decode step's functions use it: for one row, static shapes and
     `ONE_ROW_OPTIONS`; for several, one graph for any number (specialised to the first
     batch size seen, then generalised) and `MANY_ROWS_OPTIONS`."""
-    options = ONE_ROW_OPTIONS if one_row else MANY_ROWS_OPTIONS
-    return torch.compile(fn, fullgraph=True, dynamic=False if one_row else None, options=dict(options))
+    from torch._inductor import config
+
+    # An option this torch does not have is left out (torch.compile would refuse it): the
+    # stock inference container's torch 2.6 has no static launcher to turn off.
+    options = {k: v for k, v in (ONE_ROW_OPTIONS if one_row else MANY_ROWS_OPTIONS).items() if hasattr(config, k)}
+    return torch.compile(fn, fullgraph=True, dynamic=False if one_row else None, options=options)
 
 
 class DualARTransformer(nn.Module):
