@@ -1,7 +1,8 @@
 """The decode step compiled with and without inductor's coordinate-descent tuning (one-row
 matmuls as tuned Triton reductions, see dual_ar.ONE_ROW_OPTIONS), bf16 and INT8,
 decode speed and kernel profile, in one process; then single-query attention by SDPA
-backend. As run once for docs/benchmarks.md (fifth pass). Not part of the package.
+backend. As run once for docs/benchmarks.md (fifth pass; that run was before the one-row
+options turned the static launcher off; decoding replays graphs, so that affects start-up only). Not part of the package.
 
     python docs/experiments/gemv_tuning_ab.py CHECKPOINT_DIR bf16:off,bf16:on,int8:on    # writes $OUT/gemv_ab.json
 

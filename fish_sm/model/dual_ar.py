@@ -251,9 +251,9 @@ class DualARTransformer(nn.Module):
         shared), so no graph depends on the attention length and compilation stays short.
         Steps of one row and of several are compiled apart (see `compile_decode`).
         `dynamic_batch` (the batching engine): the slow layers' halves are also compiled for
-        prompts of any batch and length (its
-        admissions, which otherwise launch ~2,700 kernels one by one from Python, ~90 ms of
-        a decode loop that every active stream waits on)."""
+        prompts of any batch and length (its admissions, which otherwise launch ~2,700
+        kernels one by one from Python, ~90 ms of a decode loop that every active stream
+        waits on)."""
         # One cache entry per layer shape and weight type (bf16, int8), per engine in this process.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         halves = TransformerBlock._pre_attention_writing, TransformerBlock._post_attention
