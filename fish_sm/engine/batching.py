@@ -556,9 +556,9 @@ def _prefill_groups(ready: list) -> list[list]:
 class CodecWorker:
     """Codes to audio on a thread (and CUDA stream) of its own, piece by piece as frames
     arrive (`StreamingCodec`): streamed requests get each piece, the others one
-    concatenation at the end. Everything queued since the last round is taken at once, and
-    the pieces that are ready go through the codec together (one piece per request per
-    round, since a request's next piece needs the state its last one left)."""
+    concatenation at the end. Before each batch everything queued is taken in; a batch is
+    ready pieces of one length, the shortest (one piece per request, since a request's
+    next piece needs the state its last one left)."""
 
     def __init__(self, engine: Engine, first_piece: int, largest_piece: int):
         self.engine = engine
@@ -599,19 +599,34 @@ class CodecWorker:
             running = True
             while running:
                 items = [self._queue.get()]
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        items.append(self._queue.get_nowait())
                 running = None not in items
                 try:
-                    for kind, ticket, codes in (x for batch in items if batch is not None for x in batch):
-                        self._take(kind, ticket, codes)
-                    self._decode_ready()
+                    self._take_all(items)
+                    # One batch at a time, taking in what arrived meanwhile before choosing the
+                    # next: a request's first piece waits behind one batch, not a whole round.
+                    while self._decode_next():
+                        self._summarise_finished()
+                        items = self._drain()
+                        running = running and None not in items
+                        self._take_all(items)
+                    self._summarise_finished()
                 except Exception as exc:  # never a dead codec thread: whoever it held gets the error
                     logger.exception("codec worker failed")
                     for entry in self._streams.values():
                         entry.ticket.emit("error", exc)
                     self._streams.clear()
+
+    def _drain(self) -> list:
+        items = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                items.append(self._queue.get_nowait())
+        return items
+
+    def _take_all(self, items: list) -> None:
+        for batch in items:
+            for kind, ticket, codes in batch or ():  # (None: the stop sentinel)
+                self._take(kind, ticket, codes)
 
     def _take(self, kind: str, ticket: Ticket, codes) -> None:
         key = id(ticket)
@@ -624,23 +639,27 @@ class CodecWorker:
         else:
             entry.finished, entry.all_codes = time.perf_counter(), codes
 
-    def _decode_ready(self) -> None:
-        """Rounds of ready pieces until none is left, shortest pieces first (a request's first
-        piece waits behind no long one), each length delivered as soon as it is decoded; then
-        the finished requests' summaries."""
-        while True:
-            ready: dict[int, list] = {}
-            for entry in self._streams.values():
-                n = self.codec.next_frames(entry.stream)
-                if len(entry.frames) >= n or (entry.finished and entry.frames):
-                    ready.setdefault(min(n, len(entry.frames)), []).append((entry, entry.frames[:n]))
-                    del entry.frames[:n]
-            if not ready:
-                break
-            for n in sorted(ready):
-                for entry, samples in zip([e for e, _ in ready[n]], self._decode_group(ready[n])):
-                    if samples is not None:
-                        self._deliver(entry, samples)
+    def _decode_next(self) -> bool:
+        """Decode one batch of ready pieces, the shortest ones (a request's first pieces go
+        before the long pieces of requests already playing), and deliver it; False when no
+        piece is ready."""
+        ready: dict[int, list[_Audio]] = {}
+        for entry in self._streams.values():
+            n = self.codec.next_frames(entry.stream)
+            if len(entry.frames) >= n or (entry.finished and entry.frames):
+                ready.setdefault(min(n, len(entry.frames)), []).append(entry)
+        if not ready:
+            return False
+        n = min(ready)
+        group = [(entry, entry.frames[:n]) for entry in ready[n][: self.codec.rows_for(n)]]
+        for entry, _ in group:
+            del entry.frames[:n]
+        for (entry, _), samples in zip(group, self._decode_group(group)):
+            if samples is not None:
+                self._deliver(entry, samples)
+        return True
+
+    def _summarise_finished(self) -> None:
         for key, entry in list(self._streams.items()):
             if entry.finished and not entry.frames:
                 del self._streams[key]

@@ -287,7 +287,7 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0)
     out = {"mode": mode, "slots": batcher.slots, "max_seq_len": max_seq_len, "frames_per_request": frames}
     out["compile_s"] = _timed(batcher.compile, dev)
-    (out["codec_pieces_vs_whole_max_abs"], out["codec_pieces_frames_per_s"],
+    (out["codec_pieces_vs_whole_max_abs"], out["codec_pieces_frames_per_s"], out["codec_pieces_16_streams_max_abs"],
      out["codec_pieces_16_streams_frames_per_s"]) = _codec_pieces_check(engine, batcher._codec.codec)
     if profile and dev.type == "cuda":
         engine._step = batcher._step
@@ -328,29 +328,34 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     return out
 
 
-def _codec_pieces_check(engine: Engine, pieces) -> tuple[float, float, float]:
+def _codec_pieces_check(engine: Engine, pieces) -> tuple[float, float, float, float]:
     """A 300-frame decode in scheduled pieces (graphs and compiled back on CUDA): its largest
-    difference from the same codes decoded in one piece, its speed in frames/s alone, and
-    the speed of 16 such streams decoded side by side (`push_many`): the codec's ceiling on
-    what the batching engine can turn into audio."""
+    difference from the same codes decoded in one piece, its speed in frames/s alone, 16
+    different streams decoded side by side (`push_many`, fronts and backs stacked): their
+    largest difference from each decoded alone in one piece, and their speed, the codec's
+    ceiling on what the batching engine can turn into audio."""
     from fish_sm.engine.codec_stream import CodecStream, decode_in_pieces
 
-    codes = torch.randint(0, 1024, (1, engine.config.num_codebooks, 300), generator=torch.Generator().manual_seed(3)).to(engine.device)
-
     streams = 16
+    codes = torch.randint(0, 1024, (streams, engine.config.num_codebooks, 300),
+                          generator=torch.Generator().manual_seed(3)).to(engine.device)
 
-    def side_by_side() -> None:
-        states, at = [CodecStream() for _ in range(streams)], 0
+    def side_by_side() -> torch.Tensor:
+        states, at, out = [CodecStream() for _ in range(streams)], 0, []
         while at < codes.shape[-1]:
             n = min(pieces.next_frames(states[0]), codes.shape[-1] - at)
-            pieces.push_many([(s, codes[..., at : at + n]) for s in states])
+            out.append(torch.cat(pieces.push_many([(s, codes[i : i + 1, :, at : at + n]) for i, s in enumerate(states)])))
             at += n
+        return torch.cat(out, dim=-1)
 
     with torch.inference_mode():
-        diff = (decode_in_pieces(pieces, codes) - engine.codec.decode(codes)).abs().max().item()
-        seconds = statistics.median(_timed(lambda: decode_in_pieces(pieces, codes), engine.device) for _ in range(3))
+        one = codes[:1]
+        diff = (decode_in_pieces(pieces, one) - engine.codec.decode(one)).abs().max().item()
+        together = side_by_side()
+        diff_many = max((together[i] - engine.codec.decode(codes[i : i + 1])[0]).abs().max().item() for i in range(streams))
+        seconds = statistics.median(_timed(lambda: decode_in_pieces(pieces, one), engine.device) for _ in range(3))
         many = statistics.median(_timed(side_by_side, engine.device) for _ in range(3))
-    return diff, codes.shape[-1] / seconds, streams * codes.shape[-1] / many
+    return diff, codes.shape[-1] / seconds, diff_many, streams * codes.shape[-1] / many
 
 
 COLD_WARM = """

@@ -6,15 +6,19 @@ to make, and the codec runs a few large pieces rather than many small ones.
 
 A piece goes through the codec in two halves:
 - The front (codebook sums, the windowed transformer, the 2x2 upsampling) knows where in
-  the utterance it is (RoPE positions, a KV window), so it runs one request at a time. The
-  schedule is fixed, so its carried state before piece k has the same shapes and positions
-  for every request: piece k is one CUDA graph for everyone (copy the request's state in,
-  replay, copy the new state out) instead of a few hundred kernel launches.
+  the utterance it is (RoPE positions, a KV window). The schedule is fixed, so its carried
+  state before piece k has the same shapes and positions for every request: the fronts of
+  several requests' piece k stack into one batch, and on CUDA piece k is a CUDA graph per
+  batch size (copy the requests' states in, replay, copy the new states out) instead of a
+  few hundred kernel launches per request. Only the pieces before the first `largest` one
+  are stacked: they are what a request's first audio waits on, and their state is small
+  (a full KV window is ~8 MB a row for every graph that holds it).
 - The back (the conv decoder up to 44.1 kHz, ~90% of the codec's work) is the same at
   every position: its only state is each conv's last inputs. Pieces of the same length
-  from different requests are stacked into one batch, which the GPU runs 2-4x faster per
-  frame than one at a time, and on CUDA it is compiled (inductor fuses the Snake
-  activations and residual adds that eager mode runs as ~600 separate kernels).
+  from different requests are stacked into one batch of at most `max_batch_frames`
+  frames, which the GPU runs 2-4x faster per frame than one at a time, and on CUDA it is
+  compiled (inductor fuses the Snake activations and residual adds that eager mode runs
+  as ~600 separate kernels).
 """
 
 from __future__ import annotations
@@ -81,14 +85,28 @@ def _rebuild(layout: list, tensors: list[Tensor]) -> State:
     return state
 
 
-class PieceGraph:
-    """Piece k's front as one CUDA graph: static codes and state in, latents and state out."""
+def _stack(streams: list[CodecStream]) -> State:
+    """The states of streams at the same piece index as one state of that many rows."""
+    layout, _ = _flatten(streams[0].state)
+    return _rebuild(layout, [torch.cat(rows) for rows in zip(*(_flatten(s.state)[1] for s in streams))])
 
-    def __init__(self, codec: Codec, template: State, frames: int, pool):
+
+def _unstack(state: State, streams: list[CodecStream]) -> None:
+    """Each stream's row of a stacked state back into the stream (views of the stacked tensors)."""
+    layout, tensors = _flatten(state)
+    for i, stream in enumerate(streams):
+        stream.state = _rebuild(layout, [t[i : i + 1] for t in tensors])
+
+
+class PieceGraph:
+    """Piece k's front for up to `rows` streams as one CUDA graph: static codes and state
+    in, latents and state out (spare rows run on stale inputs; their results are dropped)."""
+
+    def __init__(self, codec: Codec, template: State, frames: int, rows: int, pool):
         device = codec._param.device
         self.layout, inputs = _flatten(template)
-        self.inputs = [t.clone() for t in inputs]
-        self.codes = torch.zeros(1, codec.n_rows, frames, dtype=torch.long, device=device)
+        self.inputs = [t.expand(rows, *t.shape[1:]).clone() for t in inputs]
+        self.codes = torch.zeros(rows, codec.n_rows, frames, dtype=torch.long, device=device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the graph: cuDNN plans, workspaces
@@ -101,14 +119,17 @@ class PieceGraph:
             self.latents = codec.quantizer.decode(self.codes, state)
         self.out_layout, self.outputs = _flatten(state)
 
-    def __call__(self, stream: CodecStream, codes: Tensor) -> Tensor:
-        _, tensors = _flatten(stream.state)
-        if tensors:
-            torch._foreach_copy_(self.inputs, tensors)
-        self.codes.copy_(codes)
+    def __call__(self, streams: list[CodecStream], codes: Tensor) -> Tensor:
+        """codes [b, rows, frames] of b <= `rows` streams -> their latents [b, ...]; their states move on."""
+        b = len(streams)
+        if self.inputs:
+            for i, stream in enumerate(streams):
+                torch._foreach_copy_([t[i : i + 1] for t in self.inputs], _flatten(stream.state)[1])
+        self.codes[:b].copy_(codes)
         self.graph.replay()
-        stream.state = _rebuild(self.out_layout, torch._foreach_mul(self.outputs, 1))  # copies the graph may overwrite
-        return self.latents.clone()
+        # Copies: the next replay overwrites the graph's outputs.
+        _unstack(_rebuild(self.out_layout, torch._foreach_mul([t[:b] for t in self.outputs], 1)), streams)
+        return self.latents[:b].clone()
 
 
 class ConvBack(nn.Module):
@@ -181,20 +202,31 @@ class ConvBack(nn.Module):
 
 
 class StreamingCodec:
-    """Decodes streams piece by piece. On CUDA the fronts of scheduled pieces replay captured
-    graphs (captured the first time a piece index is reached, at most `max_graphs` of them)
-    and the back is compiled and captured; `push_many` stacks same-length pieces into
-    batches of at most `max_batch_frames // largest` pieces (bounded so that a request's
-    first piece never waits long behind one batch)."""
+    """Decodes streams piece by piece. `push_many` stacks the fronts of pieces at the same
+    index (before the first `largest` piece) and the backs of same-length pieces, at most
+    `max_batch_frames` frames a batch (bounded so that a request's first piece never waits
+    long behind one batch). On CUDA the fronts replay captured graphs (captured the first
+    time a piece index and batch size are reached, for at most `max_graphs` piece indices)
+    and the back is compiled and captured."""
 
     def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_graphs: int = 48,
                  max_batch_frames: int = 512):
         self.codec, self.first, self.largest, self.max_graphs = codec, first, largest, max_graphs
-        self.max_rows = max(1, max_batch_frames // largest)  # pieces in one batch
-        self.graphs: dict[int, PieceGraph] = {}
+        self.max_batch_frames = max_batch_frames
+        self.max_rows = self.rows_for(largest)  # full-length pieces in one batch
+        self.graphs: dict[tuple[int, int], PieceGraph] = {}  # (piece index, rows) -> its front
         self.use_graphs = codec._param.device.type == "cuda"
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.back = ConvBack(codec, compiled=self.use_graphs)
+
+    def rows_for(self, frames: int) -> int:
+        """Pieces of `frames` frames that go through the back in one batch."""
+        return max(1, self.max_batch_frames // frames)
+
+    def front_rows(self, index: int) -> int:
+        """Pieces at `index` whose fronts run as one batch."""
+        frames = piece_frames(index, self.first, self.largest)
+        return self.rows_for(frames) if frames < self.largest else 1
 
     def next_frames(self, stream: CodecStream) -> int:
         return piece_frames(stream.pieces, self.first, self.largest)
@@ -206,14 +238,15 @@ class StreamingCodec:
     @torch.inference_mode()
     def push_many(self, pieces: list[tuple[CodecStream, Tensor]]) -> list[Tensor]:
         """One piece each of different streams -> their audio, in order."""
-        latents = [self._front(stream, codes) for stream, codes in pieces]
+        latents = self._fronts(pieces)
         audio: list[Optional[Tensor]] = [None] * len(pieces)
         by_length: dict[int, list[int]] = {}
         for i, z in enumerate(latents):
             by_length.setdefault(z.shape[-1], []).append(i)
         for group in by_length.values():
-            for at in range(0, len(group), self.max_rows):
-                batch = group[at : at + self.max_rows]
+            most = self.rows_for(pieces[group[0]][1].shape[-1])
+            for at in range(0, len(group), most):
+                batch = group[at : at + most]
                 streams = [pieces[i][0] for i in batch]
                 contexts = [s.back if s.back is not None else self.back.initial() for s in streams]
                 out, new = self.back(torch.cat([latents[i] for i in batch]), [torch.cat(c) for c in zip(*contexts)])
@@ -222,15 +255,43 @@ class StreamingCodec:
                     s.back = [c[row : row + 1] for c in new]
         return audio
 
-    def _front(self, stream: CodecStream, codes: Tensor) -> Tensor:
-        n, index = codes.shape[-1], stream.pieces
-        stream.pieces += 1
-        if not self.use_graphs or n != piece_frames(index, self.first, self.largest) or index >= self.max_graphs:
-            return self.codec.quantizer.decode(codes.to(self.codec._param.device).long(), stream.state)
-        graph = self.graphs.get(index)
+    def _fronts(self, pieces: list[tuple[CodecStream, Tensor]]) -> list[Tensor]:
+        """The fronts' latents, in order. A piece of the scheduled length stacks with the
+        others at its index; a shorter one (a stream's last) runs alone and eagerly."""
+        device = self.codec._param.device
+        latents: list[Optional[Tensor]] = [None] * len(pieces)
+        at_index: dict[int, list[int]] = {}
+        for i, (stream, codes) in enumerate(pieces):
+            if codes.shape[-1] == self.next_frames(stream):
+                at_index.setdefault(stream.pieces, []).append(i)
+            else:
+                latents[i] = self.codec.quantizer.decode(codes.to(device).long(), stream.state)
+                stream.pieces += 1
+        for index, members in at_index.items():
+            most = self.front_rows(index)
+            for at in range(0, len(members), most):
+                batch = members[at : at + most]
+                streams = [pieces[i][0] for i in batch]
+                codes = torch.cat([pieces[i][1] for i in batch]).to(device).long()
+                if self.use_graphs and index < self.max_graphs:
+                    z = self._graph(index, len(batch), streams[0].state)(streams, codes)
+                else:
+                    state = _stack(streams)
+                    z = self.codec.quantizer.decode(codes, state)
+                    _unstack(state, streams)
+                for row, (i, stream) in enumerate(zip(batch, streams)):
+                    latents[i] = z[row : row + 1]
+                    stream.pieces += 1
+        return latents
+
+    def _graph(self, index: int, batch: int, template: State) -> PieceGraph:
+        """The graph for `batch` fronts at `index`: the smallest captured size that holds them."""
+        rows = min(r for r in batch_sizes(self.front_rows(index)) if r >= batch)
+        graph = self.graphs.get((index, rows))
         if graph is None:
-            graph = self.graphs[index] = PieceGraph(self.codec, stream.state, n, self._pool)
-        return graph(stream, codes)
+            frames = piece_frames(index, self.first, self.largest)
+            graph = self.graphs[(index, rows)] = PieceGraph(self.codec, template, frames, rows, self._pool)
+        return graph
 
     @torch.inference_mode()
     def working_bytes(self) -> int:
@@ -248,20 +309,19 @@ class StreamingCodec:
         return torch.cuda.max_memory_allocated(device) - before
 
     def capture(self, pieces: int) -> None:
-        """Start-up work: capture the first `pieces` front graphs by decoding silent streams
-        (which compiles the back for one row and for several), then the back's graphs for
-        every scheduled piece length at 1, 2, 4, ... rows."""
+        """Start-up work: the front graphs of the first `pieces` piece indices at every batch
+        size (a silent stream walks the schedule to give each its state), then the back's
+        graphs for every scheduled piece length at 1, 2, 4, ... rows (which compiles it)."""
         if not self.use_graphs:
             return
-        device = self.codec._param.device
-        together, alone = [CodecStream() for _ in range(self.max_rows)], CodecStream()
+        device, alone = self.codec._param.device, CodecStream()
         lengths = [piece_frames(index, self.first, self.largest) for index in range(min(pieces, self.max_graphs))]
-        for n in lengths:
-            codes = torch.zeros(1, self.codec.n_rows, n, dtype=torch.long, device=device)
-            self.push_many([(stream, codes) for stream in together])
-            self.push(alone, codes)
+        for index, n in enumerate(lengths):
+            for rows in batch_sizes(self.front_rows(index)):
+                self._graph(index, rows, alone.state)
+            self.push(alone, torch.zeros(1, self.codec.n_rows, n, dtype=torch.long, device=device))
         for n in sorted(set(lengths)):
-            for rows in batch_sizes(self.max_rows):
+            for rows in batch_sizes(self.rows_for(n)):
                 self.back.capture(rows, n, self._pool)
         self.back.warmed = True
 

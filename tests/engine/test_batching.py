@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fish_sm.engine import Engine
-from fish_sm.engine.batching import BatchEngine, Job, Overloaded, batch_sizes
+from fish_sm.engine.batching import BatchEngine, CodecWorker, Job, Overloaded, Ticket, batch_sizes
 from fish_sm.engine.sampling import SamplingParams
 
 TEXTS = [
@@ -191,3 +191,29 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
         if not isinstance(out, RuntimeError):
             np.testing.assert_allclose(out.audio, run_alone(solo, job).audio, atol=1e-4)
     np.testing.assert_allclose(after.audio, run_alone(solo, later).audio, atol=1e-4)
+
+
+def test_the_codec_decodes_the_shortest_ready_pieces_first(solo):
+    """A new request's first piece goes before the full-length pieces of requests already
+    playing, though theirs were ready first: it waits behind one batch, not a round of all."""
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64)  # not started: driven by hand
+    events: dict[str, list] = {}
+
+    def ticket(name: str) -> Ticket:
+        return Ticket(Job(TEXTS[0], stream=True), sink=lambda event: events.setdefault(name, []).append(event[0]))
+
+    rng = np.random.default_rng(0)
+    frames = lambda t, n: [("frame", t, rng.integers(0, 1024, solo.config.num_codebooks)) for _ in range(n)]
+    playing = [ticket(f"playing{i}") for i in range(3)]
+    worker._take_all([frames(t, 4 + 8 + 16 + 32) for t in playing])
+    while worker._decode_next():  # their first four pieces
+        pass
+    assert all(events[f"playing{i}"] == ["audio"] * 4 for i in range(3))
+    worker._take_all([frames(t, 64) for t in playing])  # a full-length piece each, ready first
+    new = ticket("new")
+    worker._take_all([frames(new, 4)])
+    assert worker._decode_next()
+    assert events["new"] == ["audio"] and all(len(events[f"playing{i}"]) == 4 for i in range(3))
+    assert worker._decode_next()  # then all three full-length pieces, in one batch
+    assert all(len(events[f"playing{i}"]) == 5 for i in range(3))
+    assert not worker._decode_next()

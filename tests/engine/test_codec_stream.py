@@ -32,9 +32,9 @@ def test_state_copied_through_flat_tensors_decodes_the_same(engine):
 
 
 def test_pieces_of_several_streams_decode_together_like_each_alone(engine):
-    """`push_many`: streams at different points of the schedule share the conv back's
-    batches (same-length pieces stacked, at most `max_batch_frames // largest` at once),
-    and each still gets its own whole-sequence audio."""
+    """`push_many`: streams at different points of the schedule share batches (fronts at
+    the same piece index, backs of the same length, at most `max_batch_frames` frames), and
+    each still gets its own whole-sequence audio."""
     codec = engine.codec
     codes = [torch.randint(0, 1024, (1, codec.n_rows, 30), generator=torch.Generator().manual_seed(10 + i)) for i in range(5)]
     pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)  # two pieces a batch
@@ -53,5 +53,29 @@ def test_pieces_of_several_streams_decode_together_like_each_alone(engine):
             for (i, _), audio in zip(batch, pieces.push_many([(streams[i], c) for i, c in batch])):
                 out[i].append(audio)
             rounds += 1
+        for i in range(len(codes)):
+            torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)
+
+
+def test_fronts_at_one_piece_index_and_backs_of_one_length_run_as_batches(engine, monkeypatch):
+    """Pieces before the first full-length one stack their fronts (the state they carry has
+    the same shapes for every stream); backs stack up to `max_batch_frames` frames, so
+    short pieces go in larger batches. Each stream still gets its own audio."""
+    codec = engine.codec
+    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)
+    assert [pieces.front_rows(i) for i in range(4)] == [8, 4, 1, 1]
+    assert [pieces.rows_for(n) for n in (2, 4, 8)] == [8, 4, 2]
+    fronts, backs = [], []
+    decode, step = codec.quantizer.decode, pieces.back._step
+    monkeypatch.setattr(codec.quantizer, "decode", lambda codes, state=None: fronts.append(codes.shape[0]) or decode(codes, state))
+    monkeypatch.setattr(pieces.back, "_step", lambda z, c: backs.append((z.shape[0], z.shape[-1])) or step(z, c))
+    codes = [torch.randint(0, 1024, (1, codec.n_rows, 22), generator=torch.Generator().manual_seed(20 + i)) for i in range(4)]
+    streams, out = [CodecStream() for _ in codes], [[] for _ in codes]
+    with torch.inference_mode():
+        for at, n in ((0, 2), (2, 4), (6, 8), (14, 8)):
+            for i, audio in enumerate(pieces.push_many([(s, c[..., at : at + n]) for s, c in zip(streams, codes)])):
+                out[i].append(audio)
+        assert fronts == [4, 4, 1, 1, 1, 1, 1, 1, 1, 1]
+        assert [(b, t // pieces.back.steps) for b, t in backs] == [(4, 2), (4, 4), (2, 8), (2, 8), (2, 8), (2, 8)]
         for i in range(len(codes)):
             torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)
