@@ -42,9 +42,9 @@ from torch import Tensor
 from fish_sm.engine.codec_stream import CodecStream, StreamingCodec
 from fish_sm.engine.engine import (DEFAULT_CHUNK_LENGTH, Engine, Reference, Synthesis, check_text,
                                    request_generator)
-from fish_sm.engine.generate import (GraphedStep, HostCopy, attention_bucket, batch_sizes, decode_frame,
-                                     frame_budget, noise_size, sample_frame)
-from fish_sm.engine.prompt import chunk_prompt, prompt_prefix
+from fish_sm.engine.generate import (GraphedStep, HostCopy, admission_shape, admission_shapes, attention_bucket,
+                                     batch_sizes, decode_frame, frame_budget, noise_size, sample_frame)
+from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
 from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
 from fish_sm.engine.text import split_text
 from fish_sm.errors import FishSMError, InputError
@@ -219,18 +219,37 @@ class BatchEngine:
     # -- lifecycle ------------------------------------------------------------------
 
     def compile(self) -> None:
-        """Capture the decode step for every batch size and attention bucket (CUDA), now
-        rather than on a request."""
+        """Capture the decode step for every batch size and attention bucket, the admissions
+        and the codec (CUDA), now rather than on a request."""
         if self.device.type != "cuda":
             return
         step = GraphedStep(self.model, max_batch=self.slots)
         t0 = time.perf_counter()
         step.capture_all(self.batch_sizes)
-        self._step = step
         self._compile_admissions()
+        for batch, width in admission_shapes(self.slots, self.max_seq_len, PREFILL_TOKENS):
+            step.capture_admission(batch, width)
+        self._step = step
+        self._check_admissions()
         self._codec.capture(pieces=12)  # the rest of a long utterance's pieces are captured when first reached
-        logger.info("batching: captured %d decode and %d codec graphs in %.1f s", len(step.graphs),
-                    len(self._codec.codec.graphs), time.perf_counter() - t0)
+        logger.info("batching: captured %d decode, %d admission and %d codec graphs in %.1f s", len(step.graphs),
+                    len(step.admissions), len(self._codec.codec.graphs), time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def _check_admissions(self) -> None:
+        """Three prompts through a captured admission and through the compiled layers must
+        agree (bf16 tolerance), or captured admissions are turned off, logged, rather than
+        serve wrong frames (a first version captured with 1-D positions gave NaN for several
+        rows on an H100 while one row was right)."""
+        texts = ("One.", "A second, somewhat longer prompt.", "The third.")[: min(3, self.slots)]
+        prompts = [build_prompt(self.engine.tokenizer, self.engine.config.num_codebooks, [], t) for t in texts]
+        inputs = self._admission_inputs([(_Slot(i, p.shape[1]), p, 0) for i, p in enumerate(prompts)])
+        captured = self._admission(*inputs)[0][: len(texts)].float()
+        compiled = self._admission(*inputs, captured=False)[0][: len(texts)].float()
+        if not torch.allclose(captured, compiled, atol=0.5, rtol=0):
+            logger.warning("batching: captured admissions disagree with the compiled layers (largest logit "
+                           "difference %s); admitting through the compiled layers", (captured - compiled).abs().max().item())
+            self._step.admissions.clear()
 
     @torch.inference_mode()  # as the decode loop runs them
     def _compile_admissions(self) -> None:
@@ -361,8 +380,8 @@ class BatchEngine:
             request.length, request.max_new, request.computed = prompt.shape[1], max_new, 1
             request.finished_chunk, request.codes = False, []
             ready.append((request, prompt, start))
-        ready.sort(key=lambda item: item[1].shape[1] - item[2])
-        groups = _prefill_groups(ready)
+        ready.sort(key=lambda item: (item[2] > 0, item[1].shape[1] - item[2]))  # from position 0 first, shortest first
+        groups = _prefill_groups(ready, self._admission_shape)
         while groups:
             group = groups.pop(0)
             try:
@@ -401,21 +420,48 @@ class BatchEngine:
                 block.attention.kv_cache.v[slot, :, : v.shape[1]] = v
         return kv[0][0].shape[1]
 
+    def _admission_shape(self, batch: int, width: int) -> tuple[int, int]:
+        """The (batch, width) prompts from position 0 are padded to: a captured admission's on CUDA."""
+        return (batch, width) if self._step is None else admission_shape(batch, width, self.slots, self.max_seq_len)
+
+    def _admission_inputs(self, group: list[tuple[_Request, Tensor, int]]) -> tuple:
+        """Tokens, positions, cache rows and last positions of the prompts' rests (after any
+        reused prefix), each padded at its end with its last token (whose keys land after the
+        prompt, where decoding overwrites them before a query may see them); and the slots
+        in use once they are written. Prompts all from position 0 are padded to
+        `_admission_shape`, spare rows repeating the first prompt (the same values written
+        into its row again)."""
+        rests = [prompt[:, start:] for _, prompt, start in group]
+        starts = [start for _, _, start in group]
+        width = max(rest.shape[1] for rest in rests)
+        batch, width = self._admission_shape(len(group), width) if not any(starts) else (len(group), width)
+        rests += rests[:1] * (batch - len(group))
+        starts += starts[:1] * (batch - len(group))
+        tokens = torch.stack([torch.cat([rest, rest[:, -1:].expand(-1, width - rest.shape[1])], dim=1) for rest in rests])
+        positions = (torch.tensor(starts)[:, None] + torch.arange(width)).clamp(max=self.max_seq_len - 1)
+        rows = torch.tensor([r.slot for r, _, _ in group] + [group[0][0].slot] * (batch - len(group)))
+        last = torch.tensor([rest.shape[1] - 1 for rest in rests])
+        pinned = self.device.type == "cuda"  # asynchronous copies: a pageable one waits for the step in flight
+        return (*((t.pin_memory() if pinned else t).to(self.device, non_blocking=True) for t in (tokens, positions, rows, last)),
+                max(r.length for r, _, _ in group), not any(starts))
+
+    def _admission(self, tokens: Tensor, positions: Tensor, rows: Tensor, last: Tensor, live: int, from_zero: bool,
+                   captured: bool = True):
+        """The slow transformer over padded prompts: a captured admission's replay where
+        there is one (prompts from position 0), else the compiled layers (eagerly on CPU)
+        attending over the `live` slots in use."""
+        if captured and from_zero and self._step is not None and (tokens.shape[0], tokens.shape[-1]) in self._step.admissions:
+            return self._step.admit(tokens, positions, rows, last)
+        return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
+
     def _prefill_batch(self, group: list[tuple[_Request, Tensor, int]], pending: list) -> None:
         """One prefill for several prompts (each from its own start position, in its own slot,
-        padded at the end to the longest), then their first frames in one replay."""
+        padded at the end), then their first frames in one replay."""
         model, dev = self.model, self.device
         requests = [r for r, _, _ in group]
-        rests = [prompt[:, start:] for _, prompt, start in group]
-        width = max(rest.shape[1] for rest in rests)
-        tokens = torch.stack([torch.cat([rest, rest[:, -1:].expand(-1, width - rest.shape[1])], dim=1) for rest in rests])
-        starts = torch.tensor([start for _, _, start in group])
-        positions = (starts[:, None] + torch.arange(width)).clamp(max=self.max_seq_len - 1)  # padding: after each prompt
-        last = torch.tensor([rest.shape[1] - 1 for rest in rests])
+        logits, hidden = self._admission(*self._admission_inputs(group))
+        logits, hidden = logits[: len(group)], hidden[: len(group)]
         rows = torch.tensor([r.slot for r in requests], device=dev)
-        live = max(r.length for r in requests)
-        logits, hidden = model.forward_slow(tokens.to(dev), positions.to(dev), live, key_pos=model.positions[:live],
-                                            row=rows, last=last.to(dev))
         self.history[rows] = 0
         temperature, top_p, penalty = self.sampling[:, rows]
         noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
@@ -541,12 +587,15 @@ class BatchEngine:
 PREFILL_TOKENS = 4096
 
 
-def _prefill_groups(ready: list) -> list[list]:
-    """Consecutive runs of (request, prompt, start), shortest rest first, whose padded size stays within PREFILL_TOKENS."""
+def _prefill_groups(ready: list, padded: Callable[[int, int], tuple[int, int]] = lambda b, w: (b, w)) -> list[list]:
+    """Consecutive runs of (request, prompt, start), shortest rest first, whose size padded
+    by `padded` (batch, width) stays within PREFILL_TOKENS; prompts from position 0 (which
+    captured admissions take) apart from those after a reused prefix."""
     groups, group = [], []
     for item in ready:
         width = item[1].shape[1] - item[2]
-        if group and width * (len(group) + 1) > PREFILL_TOKENS:
+        batch, width = padded(len(group) + 1, width)
+        if group and (batch * width > PREFILL_TOKENS or (item[2] > 0) != (group[0][2] > 0)):
             groups.append(group)
             group = []
         group.append(item)
@@ -713,6 +762,14 @@ class CodecWorker:
         ticket.emit("done", Synthesis(audio=None, sample_rate=self.engine.sample_rate, frames=n, seconds=seconds,
                                       rtf=ticket.timings["total"] / seconds if seconds else float("inf"),
                                       timings=dict(ticket.timings), codes=stacked))
+
+
+@dataclass
+class _Slot:
+    """What `_admission_inputs` reads of a request: a stand-in for start-up checks."""
+
+    slot: int
+    length: int
 
 
 @dataclass

@@ -289,6 +289,7 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     out["compile_s"] = _timed(batcher.compile, dev)
     (out["codec_pieces_vs_whole_max_abs"], out["codec_pieces_frames_per_s"], out["codec_pieces_16_streams_max_abs"],
      out["codec_pieces_16_streams_frames_per_s"]) = _codec_pieces_check(engine, batcher._codec.codec)
+    out["admission_graph_vs_compiled"] = _admission_check(batcher)
     if profile and dev.type == "cuda":
         engine._step = batcher._step
         out["profile"] = [profile_decode(engine, b, 300) for b in batcher.batch_sizes]
@@ -325,6 +326,40 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
                 levels.append(level)
                 print(json.dumps(level), flush=True)
     out["levels"] = levels
+    return out
+
+
+def _admission_check(batcher) -> list[dict]:
+    """Prompts admitted together (1, 3 and 8 of them, fewer with fewer slots), through a
+    captured admission and through the compiled layers, against each prompt's prefill alone
+    (the sequential engine's, eager): largest logit difference, and whether each row's most
+    likely token is the same. Run before serving (it writes into free cache rows)."""
+    from fish_sm.engine.batching import _Slot
+
+    engine, model, out = batcher.engine, batcher.model, []
+
+    def alone(prompt: torch.Tensor, slot: int) -> torch.Tensor:
+        compiled = [block.prefill_compiled for block in model.layers]
+        for block in model.layers:
+            block.prefill_compiled = None
+        n = prompt.shape[1]
+        logits = model.forward_slow(prompt[None].to(engine.device), model.positions[:n], n, row=slot)[0][0]
+        for block, c in zip(model.layers, compiled):
+            block.prefill_compiled = c
+        return logits.float()
+
+    with torch.inference_mode():
+        for n in sorted({min(k, batcher.slots) for k in (1, 3, 8)}):
+            prompts = [build_prompt(engine.tokenizer, engine.config.num_codebooks, [], BATCH_TEXTS[i % len(BATCH_TEXTS)])
+                       for i in range(n)]
+            reference = torch.stack([alone(p, i) for i, p in enumerate(prompts)])
+            inputs = batcher._admission_inputs([(_Slot(i, p.shape[1]), p, 0) for i, p in enumerate(prompts)])
+            level = {"prompts": n, "padded_shape": list(inputs[0].shape[::2])}
+            for name, captured in (("captured", True), ("compiled", False)):
+                logits = batcher._admission(*inputs, captured=captured)[0][:n].float()
+                level[f"{name}_max_logit_diff"] = (logits - reference).abs().max().item()
+                level[f"{name}_same_argmax"] = bool(torch.equal(logits.argmax(-1), reference.argmax(-1)))
+            out.append(level)
     return out
 
 

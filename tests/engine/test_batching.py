@@ -8,6 +8,7 @@ import torch
 
 from fish_sm.engine import Engine
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job, Overloaded, Ticket, batch_sizes
+from fish_sm.engine.generate import admission_shape
 from fish_sm.engine.sampling import SamplingParams
 
 TEXTS = [
@@ -69,6 +70,35 @@ def test_concurrent_requests_match_each_run_alone(tiny_checkpoint, solo, voices)
         np.testing.assert_allclose(b.audio, a.audio, atol=1e-5)
     # Every step ran several requests at once: far fewer steps than frames.
     assert batcher.steps < 0.5 * sum(r.frames for r in alone)
+
+
+def test_admissions_padded_as_captured_ones_give_the_same_codes(tiny_checkpoint, solo, voices, monkeypatch):
+    """On CUDA, prompts from position 0 (no reused voice prefix) are admitted by graphs
+    captured for a few (batch, width) shapes: padded to a power-of-two width (at least
+    32), spare rows repeating the first prompt into its own cache row, causal attention.
+    The same padding, run eagerly here, leaves every code as it was; prompts after a
+    prefix are admitted apart, unpadded."""
+    monkeypatch.setattr(BatchEngine, "_admission_shape",
+                        lambda self, b, w: admission_shape(b, w, self.slots, self.max_seq_len))
+    jobs = mixed_jobs(voices)[:7]  # jobs 0, 3 and 6 without a voice
+    batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=8)
+    shapes, admission_inputs = [], batcher._admission_inputs
+
+    def recording(group):
+        inputs = admission_inputs(group)
+        shapes.append((len(group), inputs[0].shape[0], inputs[0].shape[-1], inputs[-1]))  # prompts, rows, width, from 0
+        return inputs
+
+    batcher._admission_inputs = recording
+    with batcher:
+        with batcher._lock:  # all seven admitted in one step
+            tickets = [batcher.submit(job) for job in jobs]
+        batched = [t.result() for t in tickets]
+    first = shapes[:2]
+    assert first[0][0] == 3 and first[0][1] == 4 and first[0][2] in (32, 64) and first[0][3], shapes
+    assert first[1][0] == 4 and first[1][1] == 4 and not first[1][3], shapes
+    for job, b in zip(jobs, batched):
+        assert torch.equal(b.codes, run_alone(solo, job).codes), job
 
 
 def test_streamed_pieces_concatenate_to_the_whole(tiny_checkpoint, voices):
