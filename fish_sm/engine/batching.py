@@ -245,14 +245,21 @@ class BatchEngine:
         serve wrong frames (a first version captured with 1-D positions gave NaN for several
         rows on an H100 while one row was right)."""
         texts = ("One.", "A second, somewhat longer prompt.", "The third.")[: min(3, self.slots)]
-        prompts = [build_prompt(self.engine.tokenizer, self.engine.config.num_codebooks, [], t) for t in texts]
-        inputs = self._admission_inputs([(_Slot(i, p.shape[1]), p, 0) for i, p in enumerate(prompts)])
-        captured = self._admission(*inputs)[0][: len(texts)].float()
-        compiled = self._admission(*inputs, captured=False)[0][: len(texts)].float()
+        _, captured, compiled = self._admissions_both_ways(
+            [build_prompt(self.engine.tokenizer, self.engine.config.num_codebooks, [], t) for t in texts])
         if not torch.allclose(captured, compiled, atol=0.5, rtol=0):
             logger.warning("batching: captured admissions disagree with the compiled layers (largest logit "
                            "difference %s); admitting through the compiled layers", (captured - compiled).abs().max().item())
             self._step.admissions.clear()
+
+    @torch.inference_mode()
+    def _admissions_both_ways(self, prompts: list[Tensor]) -> tuple[list[int], Tensor, Tensor]:
+        """Prompts from position 0 admitted into slots 0.. (before serving), through a
+        captured admission and through the compiled layers: the padded [batch, width] and
+        each way's logits [prompts, vocab] in float32."""
+        inputs = self._admission_inputs([(_Slot(i, p.shape[1]), p, 0) for i, p in enumerate(prompts)])
+        captured, compiled = (self._admission(*inputs, captured=c)[0][: len(prompts)].float().clone() for c in (True, False))
+        return list(inputs[0].shape[::2]), captured, compiled
 
     @torch.inference_mode()  # as the decode loop runs them
     def _compile_admissions(self) -> None:

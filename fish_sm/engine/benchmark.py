@@ -334,8 +334,6 @@ def _admission_check(batcher) -> list[dict]:
     captured admission and through the compiled layers, against each prompt's prefill alone
     (the sequential engine's, eager): largest logit difference, and whether each row's most
     likely token is the same. Run before serving (it writes into free cache rows)."""
-    from fish_sm.engine.batching import _Slot
-
     engine, model, out = batcher.engine, batcher.model, []
 
     def alone(prompt: torch.Tensor, slot: int) -> torch.Tensor:
@@ -353,10 +351,9 @@ def _admission_check(batcher) -> list[dict]:
             prompts = [build_prompt(engine.tokenizer, engine.config.num_codebooks, [], BATCH_TEXTS[i % len(BATCH_TEXTS)])
                        for i in range(n)]
             reference = torch.stack([alone(p, i) for i, p in enumerate(prompts)])
-            inputs = batcher._admission_inputs([(_Slot(i, p.shape[1]), p, 0) for i, p in enumerate(prompts)])
-            level = {"prompts": n, "padded_shape": list(inputs[0].shape[::2])}
-            for name, captured in (("captured", True), ("compiled", False)):
-                logits = batcher._admission(*inputs, captured=captured)[0][:n].float()
+            shape, captured, compiled = batcher._admissions_both_ways(prompts)
+            level = {"prompts": n, "padded_shape": shape}
+            for name, logits in (("captured", captured), ("compiled", compiled)):
                 level[f"{name}_max_logit_diff"] = (logits - reference).abs().max().item()
                 level[f"{name}_same_argmax"] = bool(torch.equal(logits.argmax(-1), reference.argmax(-1)))
             out.append(level)
