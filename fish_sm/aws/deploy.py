@@ -178,8 +178,8 @@ METRIC_UNITS = {"concurrency": "concurrent requests per instance", "invocations"
 # The batching server decodes up to FISH_SM_MAX_BATCH requests together on each GPU. Scaling
 # out at half of those slots keeps each stream fast and leaves room for a burst while new
 # instances start (minutes), before requests queue and, past FISH_SM_MAX_QUEUE, get 503: on
-# an H100 at 32 of 64 streams each stream still decodes at >= 5x real time with first audio
-# in ~0.3-0.4 s; at 64, 3-4x and ~0.6 s (docs/benchmarks.md, fourth pass).
+# an H100 at 32 of 64 streams each stream still decodes at >= 6x real time with first audio
+# p95 ~0.12 s (0.3 s through HTTP); at 64, 4x and ~0.3 s (docs/benchmarks.md, sixth pass).
 BATCH_TARGET_SHARE = 0.5
 DEFAULT_MAX_BATCH = 64  # FISH_SM_MAX_BATCH's default in fish_sm.serving.settings (not imported: no torch here)
 
