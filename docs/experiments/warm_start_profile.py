@@ -5,9 +5,12 @@ in the sixth pass). As run for docs/benchmarks.md (fifth and sixth passes). Not 
 package.
 
     python docs/experiments/warm_start_profile.py CHECKPOINT_DIR none|int8 [OPTIONS_JSON]
-    # writes $OUT/warm_start_<mode>.txt and $OUT/warm_start_<mode>_kernels_{plain,profile}.json
+    # writes $OUT/warm_start_<mode>.txt and $OUT/warm_start_<mode>_kernels_{plain,warm,profile}.json
 
-OPTIONS_JSON: inductor options added to the decode step's (dual_ar.ONE_ROW_OPTIONS).
+Three starts: the first fills the cache, the second is a warm start as served, the third a
+warm start under cProfile (added in the seventh pass; before, the profiled one was the only
+warm start). OPTIONS_JSON: inductor options added to the decode step's
+(dual_ar.ONE_ROW_OPTIONS); the environment's PICKERS_TUNED (JSON) updates generate.PICKERS_TUNED.
 """
 import os, subprocess, sys, tempfile
 
@@ -19,7 +22,9 @@ import_torch = time.perf_counter() - t0
 t0 = time.perf_counter(); torch.zeros(1, device="cuda"); torch.cuda.synchronize(); cuda_init = time.perf_counter() - t0
 from torch._inductor.runtime import triton_heuristics as th
 from fish_sm.model import dual_ar
+from fish_sm.engine import generate
 dual_ar.ONE_ROW_OPTIONS.update(json.loads(os.environ.get("EXTRA_OPTIONS", "{}")))
+generate.PICKERS_TUNED.update(json.loads(os.environ.get("PICKERS_TUNED", "{}")))
 
 tuned, compiled = [], []  # every coordinate-descent tuning and Triton compile, with its kernel
 autotuner = th.CachingAutotuner
@@ -70,7 +75,7 @@ with tempfile.TemporaryDirectory() as cache:
     env = {**os.environ, "FISH_SM_CACHE_DIR": cache, "FISH_SM_QUANTIZE": mode, "FISH_SM_COMPILE": "true",
            "FISH_SM_WARMUP": "2", "EXTRA_OPTIONS": sys.argv[3] if len(sys.argv) > 3 else "{}"}
     report = []
-    for run in ("plain", "profile"):
+    for run in ("plain", "warm", "profile"):
         kernels = os.path.join(out, f"warm_start_{mode}_kernels_{run}.json")
         proc = subprocess.run([sys.executable, "-c", RUN, checkpoint, run, kernels], env=env, capture_output=True, text=True)
         report.append(f"==== {run} start (rc {proc.returncode})\n{proc.stdout}\n{proc.stderr[-2000:] if proc.returncode else ''}")

@@ -157,7 +157,6 @@ class _Request:
     codes: list[np.ndarray] = field(default_factory=list)  # this chunk's frames, [C] each
     previous: list[tuple[str, Tensor]] = field(default_factory=list)
     spoken: list[np.ndarray] = field(default_factory=list)  # the frames of all finished chunks
-    first_frame_at: float | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -528,8 +527,8 @@ class BatchEngine:
             if int(frame[0]) == self.model.im_end_id:
                 self._finish_chunk(request)
                 continue
-            if request.first_frame_at is None:
-                request.first_frame_at = time.perf_counter()
+            if "first_frame" not in request.ticket.timings:
+                request.ticket.timings["first_frame"] = time.perf_counter() - request.ticket.submitted
             request.codes.append(frame[1:].copy())
             self._decoded.append((request.ticket, request.codes[-1]))
             if index + 1 >= request.max_new:
@@ -551,8 +550,6 @@ class BatchEngine:
         ticket = request.ticket
         now = time.perf_counter()
         ticket.timings["generate"] = now - ticket.submitted - ticket.timings.get("queue", 0.0)
-        if request.first_frame_at is not None:
-            ticket.timings["first_frame"] = request.first_frame_at - ticket.submitted
         self._hand_over()  # its last frames before its end
         self._codec.finish(ticket, request.spoken)
         self._retire(request)

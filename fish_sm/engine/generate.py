@@ -25,6 +25,14 @@ from fish_sm.model.dual_ar import DualARTransformer, compile_decode
 from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices, logits_to_probs
 
 
+# Whether the one-row pickers' graphs get the decode step's coordinate-descent tuning
+# (dual_ar.ONE_ROW_OPTIONS). They do not: torch 2.11 tunes their nine kernels again at every
+# warm start although the autotune cache holds their configs (~15 s of a 39 s start), and on
+# an H100 the tuning bought nothing: 862 kernels a frame and 362.7 frames/s untuned against
+# 362.4 tuned (docs/benchmarks.md, seventh pass).
+PICKERS_TUNED = {"head": False, "residual": False}
+
+
 def noise_size(model: DualARTransformer) -> int:
     """Exp(1) draws one frame needs: one per head row, then one per residual code of each fast step."""
     c = model.config
@@ -158,8 +166,8 @@ class GraphedStep:
         # the graphs then replay those kernels.
         model.compile_layers(dynamic_batch=max_batch > 1)
         # One row: the residual codebooks' nucleus without a sort (see sampling.PAIRWISE_MAX_VOCAB).
-        self.pickers_one = Pickers(*(compile_decode(functools.partial(f, sort_free=True), one_row=True)
-                                     for f in (pick, pick_residual)))
+        self.pickers_one = Pickers(*(compile_decode(functools.partial(f, sort_free=True), one_row=True, tune=tune)
+                                     for f, tune in ((pick, PICKERS_TUNED["head"]), (pick_residual, PICKERS_TUNED["residual"]))))
         self.pickers_many = Pickers(*(compile_decode(f, one_row=False) for f in (pick, pick_residual)))
         # Inference tensors, like everything a replay computes: a compiled function sees one
         # kind of tensor from every caller (a buffer made outside inference mode would make

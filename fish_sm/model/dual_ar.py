@@ -191,15 +191,18 @@ ONE_ROW_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher"
 MANY_ROWS_OPTIONS: dict = {}
 
 
-def compile_decode(fn, one_row: bool):
+def compile_decode(fn, one_row: bool, tune: bool = True):
     """`torch.compile` as the decode step's functions use it: for one row, static shapes and
-    `ONE_ROW_OPTIONS`; for several, one graph for any number (specialised to the first
-    batch size seen, then generalised) and `MANY_ROWS_OPTIONS`."""
+    `ONE_ROW_OPTIONS` (without the tuning if not `tune`); for several, one graph for any
+    number (specialised to the first batch size seen, then generalised) and `MANY_ROWS_OPTIONS`."""
     from torch._inductor import config
 
+    options = dict(ONE_ROW_OPTIONS if one_row else MANY_ROWS_OPTIONS)
+    if not tune:
+        options.pop("coordinate_descent_tuning", None)
     # An option this torch does not have is left out (torch.compile would refuse it): the
     # stock inference container's torch 2.6 has no static launcher to turn off.
-    options = {k: v for k, v in (ONE_ROW_OPTIONS if one_row else MANY_ROWS_OPTIONS).items() if hasattr(config, k)}
+    options = {k: v for k, v in options.items() if hasattr(config, k)}
     return torch.compile(fn, fullgraph=True, dynamic=False if one_row else None, options=options)
 
 

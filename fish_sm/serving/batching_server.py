@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +129,7 @@ class BatchingApp:
         return web.json_response({"status": "Healthy", "load": [w.batcher.load() for w in self.workers]})
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
+        request["received"] = time.perf_counter()
         if not self.workers:
             return _error(HTTPError(503, "the model is still loading"))
         try:
@@ -196,6 +198,7 @@ class BatchingApp:
                     return payload
         finally:
             ticket.cancel()  # no-op once done; frees the slot if the client left
+            _log_request(request, ticket, None)
 
     async def _stream(self, request: web.Request, worker: Worker, tts: TTSRequest, accept: str | None):
         kind, fmt = response_format(accept, tts)
@@ -203,7 +206,7 @@ class BatchingApp:
             raise HTTPError(406, f"a stream is answered in audio/wav or audio/pcm, not {kind}")
         ticket, events = await self._submit(request, worker, tts, stream=True)
         rate = worker.model.engine.sample_rate
-        response = None
+        response, first_byte = None, None
         try:
             while True:
                 event, payload = await _next_event(request, events)
@@ -222,12 +225,14 @@ class BatchingApp:
                         await response.write(audio_out.open_wav_header(rate))
                 if event == "audio":
                     await response.write(audio_out.pcm16(payload))
+                    first_byte = first_byte or time.perf_counter()
                 else:
                     break
             await response.write_eof()
             return response
         finally:
             ticket.cancel()
+            _log_request(request, ticket, first_byte)
 
 
 class Busy(HTTPError):
@@ -249,6 +254,23 @@ def _check_client(request: web.Request) -> None:
     """ConnectionResetError once the client has gone (its request's finally frees the slot)."""
     if request.transport is None or request.transport.is_closing():
         raise ConnectionResetError("the client disconnected")
+
+
+def _log_request(request: web.Request, ticket, first_byte: float | None) -> None:
+    """One line per request, with where its time went (measured from its arrival): parsing
+    and the voice until the engine took it, the queue, the first frame, the first audio
+    decoded and, streaming, written. Under load these tell a slow admission from a busy codec
+    or a busy event loop."""
+    t, received = ticket.timings, request.get("received", ticket.submitted)
+    accepted = ticket.submitted - received
+
+    def ms(key: str) -> str:
+        return f"{(accepted + t[key]) * 1e3:.0f} ms" if key in t else "-"
+
+    outcome = "done" if "total" in t else "ended early"  # an error, or the client left
+    logger.info("%s %s: accepted %.0f ms, admitted %s, first frame %s, first audio %s, first byte %s, total %s",
+                "stream" if ticket.job.stream else "request", outcome, accepted * 1e3, ms("queue"), ms("first_frame"),
+                ms("first_audio"), f"{(first_byte - received) * 1e3:.0f} ms" if first_byte else "-", ms("total"))
 
 
 def _error(exc: HTTPError) -> web.Response:

@@ -5,6 +5,7 @@ import base64
 import http.client
 import io
 import json
+import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -143,6 +144,12 @@ def test_stream_arrives_in_pieces_that_concatenate_to_the_whole(server):
     response, chunks = read_stream(server, {**body, "stream": True}, accept="audio/pcm")
     assert response.getheader("Content-Type").startswith("audio/pcm;rate=44100")
     assert b"".join(c for _, c in chunks) == data[44:]
+    # each request's line in the log says where its time went, in order
+    line = [x for x in server.log.read_text().splitlines() if "stream done: " in x][-1]
+    stages = re.findall(r"(accepted|admitted|first frame|first audio|first byte|total) (\d+) ms", line)
+    assert [s for s, _ in stages] == ["accepted", "admitted", "first frame", "first audio", "first byte", "total"]
+    upto_first_byte = [int(ms) for _, ms in stages[:5]]  # the total may be taken before the first write
+    assert upto_first_byte == sorted(upto_first_byte)
 
 
 def test_overload_is_503_at_once_and_a_disconnect_frees_the_slot(one_slot):
@@ -164,6 +171,7 @@ def test_overload_is_503_at_once_and_a_disconnect_frees_the_slot(one_slot):
         time.sleep(0.05)
     status, _, _ = invoke(one_slot, {"text": "Now me.", "max_new_tokens": 2})
     assert status == 200
+    assert "stream ended early: " in one_slot.log.read_text()
 
 
 def test_jsonlines_lines_wait_for_a_slot_instead_of_503(one_slot):
