@@ -204,16 +204,18 @@ class BatchEngine:
         c, dtype = self.engine.config, self.engine.model.dtype
         per_token = 2 * c.n_layer * c.n_local_heads * c.head_dim * torch.finfo(dtype).bits // 8
         per_slot = per_token * self.max_seq_len + self.rows * (self.max_seq_len + PENALTY_WINDOW) * 8
+        codec = self._codec.codec.working_bytes()
         free, total = torch.cuda.mem_get_info(self.device)
-        reserve = ((1 - memory_fraction) * total + prefix_cache * per_token * self.max_seq_len // 4 + (2 << 30)
-                   + self._codec.codec.working_bytes())
+        reserve = (1 - memory_fraction) * total + prefix_cache * per_token * self.max_seq_len // 4 + (2 << 30) + codec
         fit = int((free - reserve) // per_slot)
         if fit < 1:
             raise FishSMError(f"no room for a single {self.max_seq_len}-token KV cache on {self.device} "
                               f"({free / 2**30:.1f} GiB free); lower FISH_SM_MAX_SEQ_LEN")
-        if fit < max_batch:
-            logger.info("batching: %d slots fit in %.1f GiB free (asked for %d)", fit, free / 2**30, max_batch)
-        return min(max_batch, fit)
+        slots = min(max_batch, fit)
+        logger.info("batching: %d slots of %d tokens (%.2f GiB each; %d asked for, %d fit) in %.1f GiB free, "
+                    "keeping %.1f GiB for graphs, prefixes and the codec (%.1f GiB)", slots, self.max_seq_len,
+                    per_slot / 2**30, max_batch, fit, free / 2**30, reserve / 2**30, codec / 2**30)
+        return slots
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -231,11 +233,11 @@ class BatchEngine:
         self._step = step
         self._check_admissions()
         self._codec.capture(pieces=12)  # the rest of a long utterance's pieces are captured when first reached
-        # The warm-up runs before each capture leave blocks cached for their streams (reserved
-        # memory grew 52.9 GB over the codec's capture on an H100): hand back what no graph holds.
+        # The warm-up runs before each capture leave blocks cached: hand back what no graph holds.
         torch.cuda.empty_cache()
-        logger.info("batching: captured %d decode, %d admission and %d codec graphs in %.1f s", len(step.graphs),
-                    len(step.admissions), len(self._codec.codec.graphs), time.perf_counter() - t0)
+        logger.info("batching: captured %d decode, %d admission and %d codec graphs in %.1f s; %.1f GiB of %.1f "
+                    "GiB free", len(step.graphs), len(step.admissions), len(self._codec.codec.graphs),
+                    time.perf_counter() - t0, *(b / 2**30 for b in torch.cuda.mem_get_info(self.device)))
 
     @torch.inference_mode()
     def _check_admissions(self) -> None:

@@ -295,18 +295,22 @@ class StreamingCodec:
 
     @torch.inference_mode()
     def working_bytes(self) -> int:
-        """GPU memory the largest batch takes while it runs (measured eagerly, which keeps
-        more intermediates alive than the compiled code): what its graphs' pool will hold."""
+        """GPU memory the back's largest batches take while they run (what the KV cache must
+        leave room for), measured as they will run: compiled, which compiles it now."""
         device = self.codec._param.device
         if device.type != "cuda":
             return 0
-        latents, contexts = self.back.silence(self.max_rows, self.largest), self.back.initial(self.max_rows)
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        self.back._step(latents, contexts)
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
+        most = 0
+        for frames in (self.largest, self.first):  # few rows of long pieces, many of short ones
+            rows = self.rows_for(frames)
+            latents, contexts = self.back.silence(rows, frames), self.back.initial(rows)
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.back._run(latents, contexts)
+            torch.cuda.synchronize(device)
+            most = max(most, torch.cuda.max_memory_allocated(device) - before)
+        return most
 
     def capture(self, pieces: int) -> None:
         """Start-up work: the front graphs of the first `pieces` piece indices at every batch
