@@ -28,7 +28,8 @@ from fish_sm.engine.sampling import SamplingParams
 from fish_sm.errors import InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.errors import HTTPError, bad_request, engine_error
-from fish_sm.serving.handler import Prediction, ServingModel, WARMUP_TEXT, load_model, output_fn, resolve_reference
+from fish_sm.serving.handler import (Prediction, ServingModel, WARMUP_TEXT, freeze_start_up_objects, load_model, output_fn,
+                                     resolve_reference)
 from fish_sm.serving.request import (AUDIO_TYPES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type, parse_body,
                                       response_format)
 from fish_sm.serving.server import PAYLOAD_LIMIT, ServerConfig, check_model_dir
@@ -106,6 +107,7 @@ class BatchingApp:
             workers = []
             for device in devices():
                 workers.append(await loop.run_in_executor(None, start_worker, self.model_dir, device, self.settings))
+            freeze_start_up_objects()
             self.workers = workers
         except Exception as exc:
             logger.exception("start-up failed")

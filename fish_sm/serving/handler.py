@@ -8,6 +8,7 @@ that the server reports healthy only when the first request will be fast.
 
 from __future__ import annotations
 
+import gc
 import io
 import logging
 import time
@@ -82,7 +83,16 @@ def model_fn(model_dir, context=None) -> ServingModel:
         phase("cache_save", cache.save)
     logger.info("model_fn ready on %s in %.2f s (%s)", model.engine.device, sum(model.timings.values()),
                 ", ".join(f"{k} {v:.2f} s" for k, v in model.timings.items()))
+    freeze_start_up_objects()
     return model
+
+
+def freeze_start_up_objects() -> None:
+    """Move what start-up made (the compiled graphs' millions of Python objects, which live
+    as long as the server) out of the garbage collector's sight, so that a full collection
+    while serving does not walk them all with every thread stopped."""
+    gc.collect()
+    gc.freeze()
 
 
 def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn"):
