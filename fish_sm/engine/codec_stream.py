@@ -19,6 +19,8 @@ A piece goes through the codec in two halves:
   frames, which the GPU runs 2-4x faster per frame than one at a time, and on CUDA it is
   compiled (inductor fuses the Snake activations and residual adds that eager mode runs
   as ~600 separate kernels).
+A stream's last piece, when shorter than its scheduled length, is padded to it and cut back
+after: the decoder is causal, so every piece runs with the others, in a graph.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fish_sm.engine.generate import batch_sizes
@@ -237,7 +240,13 @@ class StreamingCodec:
 
     @torch.inference_mode()
     def push_many(self, pieces: list[tuple[CodecStream, Tensor]]) -> list[Tensor]:
-        """One piece each of different streams -> their audio, in order."""
+        """One piece each of different streams -> their audio, in order. A stream's last piece
+        may be shorter than scheduled: it is padded to the scheduled length and runs with the
+        others (the decoder is causal, so the samples kept are those it would give alone), and
+        its audio is cut back. Alone and eager, 18 streams ending at once held the codec for
+        ~0.4 s, and the first pieces of new requests with it (docs/benchmarks.md, seventh pass)."""
+        frames = [codes.shape[-1] for _, codes in pieces]
+        pieces = [(stream, F.pad(codes, (0, self.next_frames(stream) - n))) for (stream, codes), n in zip(pieces, frames)]
         latents = self._fronts(pieces)
         audio: list[Optional[Tensor]] = [None] * len(pieces)
         by_length: dict[int, list[int]] = {}
@@ -251,22 +260,17 @@ class StreamingCodec:
                 contexts = [s.back if s.back is not None else self.back.initial() for s in streams]
                 out, new = self.back(torch.cat([latents[i] for i in batch]), [torch.cat(c) for c in zip(*contexts)])
                 for row, (i, s) in enumerate(zip(batch, streams)):
-                    audio[i] = out[row : row + 1]
+                    audio[i] = out[row : row + 1, : frames[i] * self.codec.frame_length]
                     s.back = [c[row : row + 1] for c in new]
         return audio
 
     def _fronts(self, pieces: list[tuple[CodecStream, Tensor]]) -> list[Tensor]:
-        """The fronts' latents, in order. A piece of the scheduled length stacks with the
-        others at its index; a shorter one (a stream's last) runs alone and eagerly."""
+        """The fronts' latents, in order: pieces (of the scheduled length) at the same index stack."""
         device = self.codec._param.device
         latents: list[Optional[Tensor]] = [None] * len(pieces)
         at_index: dict[int, list[int]] = {}
         for i, (stream, codes) in enumerate(pieces):
-            if codes.shape[-1] == self.next_frames(stream):
-                at_index.setdefault(stream.pieces, []).append(i)
-            else:
-                latents[i] = self.codec.quantizer.decode(codes.to(device).long(), stream.state)
-                stream.pieces += 1
+            at_index.setdefault(stream.pieces, []).append(i)
         for index, members in at_index.items():
             most = self.front_rows(index)
             for at in range(0, len(members), most):

@@ -79,3 +79,27 @@ def test_fronts_at_one_piece_index_and_backs_of_one_length_run_as_batches(engine
         assert [(b, t // pieces.back.steps) for b, t in backs] == [(4, 2), (4, 4), (2, 8), (2, 8), (2, 8), (2, 8)]
         for i in range(len(codes)):
             torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)
+
+
+def test_last_pieces_shorter_than_scheduled_run_with_the_others(engine, monkeypatch):
+    """Streams ending at different lengths inside one scheduled piece are padded to it and run
+    as one batch (the decoder is causal); each keeps only its own samples, as if whole."""
+    codec = engine.codec
+    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)
+    fronts, backs = [], []
+    decode, step = codec.quantizer.decode, pieces.back._step
+    monkeypatch.setattr(codec.quantizer, "decode", lambda codes, state=None: fronts.append(codes.shape) or decode(codes, state))
+    monkeypatch.setattr(pieces.back, "_step", lambda z, c: backs.append((z.shape[0], z.shape[-1])) or step(z, c))
+    lengths = (2 + 1, 2 + 3, 2 + 4)  # last pieces of 1, 3 and 4 frames where 4 are scheduled
+    codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(40 + n)) for n in lengths]
+    streams, out = [CodecStream() for _ in codes], [[] for _ in codes]
+    with torch.inference_mode():
+        for at, n in ((0, 2), (2, 4)):
+            for i, audio in enumerate(pieces.push_many([(s, c[..., at : at + n]) for s, c in zip(streams, codes)])):
+                out[i].append(audio)
+    assert [shape[0] for shape in fronts] == [3, 3] and fronts[-1][-1] == 4
+    assert [(b, t // pieces.back.steps) for b, t in backs] == [(3, 2), (3, 4)]
+    for i, n in enumerate(lengths):
+        whole = torch.cat(out[i], dim=-1)
+        assert whole.shape[-1] == n * codec.frame_length
+        torch.testing.assert_close(whole, codec.decode(codes[i]), atol=1e-4, rtol=0)
