@@ -243,8 +243,8 @@ class StreamingCodec:
         """One piece each of different streams -> their audio, in order. A stream's last piece
         may be shorter than scheduled: it is padded to the scheduled length and runs with the
         others (the decoder is causal, so the samples kept are those it would give alone), and
-        its audio is cut back. Alone and eager, 18 streams ending at once held the codec for
-        ~0.4 s, and the first pieces of new requests with it (docs/benchmarks.md, seventh pass)."""
+        its audio is cut back. (Run alone and eagerly, the last pieces of streams that end
+        together went one after another, and new requests' first pieces waited behind them.)"""
         frames = [codes.shape[-1] for _, codes in pieces]
         pieces = [(stream, F.pad(codes, (0, self.next_frames(stream) - n))) for (stream, codes), n in zip(pieces, frames)]
         latents = self._fronts(pieces)
@@ -269,7 +269,7 @@ class StreamingCodec:
         device = self.codec._param.device
         latents: list[Optional[Tensor]] = [None] * len(pieces)
         at_index: dict[int, list[int]] = {}
-        for i, (stream, codes) in enumerate(pieces):
+        for i, (stream, _) in enumerate(pieces):
             at_index.setdefault(stream.pieces, []).append(i)
         for index, members in at_index.items():
             most = self.front_rows(index)
