@@ -205,6 +205,7 @@ class BatchEngine:
         per_token = 2 * c.n_layer * c.n_local_heads * c.head_dim * torch.finfo(dtype).bits // 8
         per_slot = per_token * self.max_seq_len + self.rows * (self.max_seq_len + PENALTY_WINDOW) * 8
         codec = self._codec.codec.working_bytes()
+        torch.cuda.empty_cache()  # the measurement's blocks, cached, would count as used below and in `codec` too
         free, total = torch.cuda.mem_get_info(self.device)
         reserve = (1 - memory_fraction) * total + prefix_cache * per_token * self.max_seq_len // 4 + (2 << 30) + codec
         fit = int((free - reserve) // per_slot)
