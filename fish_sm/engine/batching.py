@@ -195,6 +195,10 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self._decoded: list[tuple[Ticket, np.ndarray]] = []  # checked frames not yet handed to the codec
         self.steps = 0
+        # The decode loop's CUDA stream, of high priority: the codec's large kernels (on a
+        # stream of their own) would otherwise hold the SMs that each of a decode step's ~1,100
+        # small kernels waits for, stretching every stream's frames.
+        self.decode_stream = torch.cuda.Stream(dev, priority=-1) if dev.type == "cuda" else None
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int) -> int:
         """Admission control: as many sequences as the free GPU memory holds (after room for
@@ -280,6 +284,8 @@ class BatchEngine:
         # frame; Python's default 5 ms switch interval would stall the loop behind the codec.
         sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
         self._running = True
+        if self.decode_stream is not None:  # after the set-up work queued on this thread's stream
+            self.decode_stream.wait_stream(torch.cuda.current_stream(self.device))
         self._codec.start()
         self._thread = threading.Thread(target=self._loop, name="fish-sm-batching", daemon=True)
         self._thread.start()
@@ -292,6 +298,8 @@ class BatchEngine:
         if self._thread is not None:
             self._thread.join()
         self._codec.stop()
+        if self.decode_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
 
     def __enter__(self):
         return self.start()
@@ -327,7 +335,8 @@ class BatchEngine:
 
     def _loop(self) -> None:
         pending: list[tuple[_Request, int, int, int, HostCopy]] = []  # (request, chunk, frame index, row, copy)
-        with torch.inference_mode():
+        on_stream = torch.cuda.stream(self.decode_stream) if self.decode_stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), on_stream:
             while True:
                 with self._lock:
                     while self._running and not self._waiting and not self._active and not pending:
@@ -616,8 +625,8 @@ class CodecWorker:
     """Codes to audio on a thread (and CUDA stream) of its own, piece by piece as frames
     arrive (`StreamingCodec`): streamed requests get each piece, the others one
     concatenation at the end. Before each batch everything queued is taken in; a batch is
-    ready pieces of one length, the shortest (one piece per request, since a request's
-    next piece needs the state its last one left)."""
+    ready pieces of one scheduled length, the shortest (one piece per request, since a
+    request's next piece needs the state its last one left)."""
 
     def __init__(self, engine: Engine, first_piece: int, largest_piece: int):
         self.engine = engine
@@ -706,7 +715,11 @@ class CodecWorker:
         for entry in self._streams.values():
             n = self.codec.next_frames(entry.stream)
             if len(entry.frames) >= n or (entry.finished and entry.frames):
-                ready.setdefault(min(n, len(entry.frames)), []).append(entry)
+                # By scheduled length, what a piece costs: a last, shorter piece is padded to it.
+                # (Keyed by its own length, the last pieces of a burst of streams ending together
+                # made one group of padded full pieces, and first pieces ready meanwhile waited
+                # for all of it.)
+                ready.setdefault(n, []).append(entry)
         if not ready:
             return False
         n = min(ready)

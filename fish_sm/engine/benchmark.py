@@ -19,6 +19,7 @@ you report. At the end it prints the speed targets' table for what it measured.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -284,8 +285,10 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     engine = Engine.from_pretrained(checkpoint, device=dev, max_seq_len=max_seq_len)
     if mode == "int8":
         engine.quantize_int8()
+    sequential = sequential_requests(engine, frames) if 1 in streams else None
     batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0)
-    out = {"mode": mode, "slots": batcher.slots, "max_seq_len": max_seq_len, "frames_per_request": frames}
+    out = {"mode": mode, "slots": batcher.slots, "max_seq_len": max_seq_len, "frames_per_request": frames,
+           "sequential": sequential}
     out["compile_s"] = _timed(batcher.compile, dev)
     (out["codec_pieces_vs_whole_max_abs"], out["codec_pieces_frames_per_s"], out["codec_pieces_16_streams_max_abs"],
      out["codec_pieces_16_streams_frames_per_s"]) = _codec_pieces_check(engine, batcher._codec.codec)
@@ -297,35 +300,76 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
         engine._step = None
         for level in out["profile"]:
             print(json.dumps({k: v for k, v in level.items() if k != "top"}), flush=True)
-    rate = engine.sample_rate / engine.frame_length
     levels = []
     with batcher:
         batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()  # warm-up
         for stream in (True, False):
             for n in streams:
-                t0 = time.perf_counter()
-                tickets = [batcher.submit(Job(BATCH_TEXTS[i % len(BATCH_TEXTS)], stream=stream,
-                                              params=SamplingParams(seed=i, max_new_tokens=frames))) for i in range(n)]
-                results = [t.result() for t in tickets]
-                wall = time.perf_counter() - t0
-                # Each request's decode rate, first frame to last (requests that stopped early excluded).
-                decode = [(r.frames - 1) / (t.timings["queue"] + t.timings["generate"] - t.timings["first_frame"])
-                          for t, r in zip(tickets, results) if r.frames >= frames // 2] or [0.0]
-                level = {"streams": n, "stream": stream, "aggregate_frames_per_s": sum(r.frames for r in results) / wall,
-                         "per_request_decode_frames_per_s_min": min(decode),
-                         "per_request_decode_frames_per_s_median": statistics.median(decode),
-                         "stopped_early": sum(r.frames < frames // 2 for r in results),
-                         "per_request_realtime_x_min": min(decode) / rate, "wall_s": wall}
-                # Where the wait goes: until admitted (queue), until the first frame, until first audio.
-                level["admitted_ms_p50"] = statistics.median(t.timings["queue"] * 1e3 for t in tickets)
-                level["first_frame_ms_p50"] = statistics.median(t.timings["first_frame"] * 1e3 for t in tickets)
-                if stream:
-                    first = sorted(t.timings["first_audio"] * 1e3 for t in tickets)
-                    level["first_audio_ms_p50"] = statistics.median(first)
-                    level["first_audio_ms_p95"] = first[min(len(first) - 1, math.ceil(0.95 * len(first)) - 1)]
-                levels.append(level)
-                print(json.dumps(level), flush=True)
+                levels.append(batching_level(batcher, n, frames, stream))
+                print(json.dumps(levels[-1]), flush=True)
     out["levels"] = levels
+    return out
+
+
+def batching_level(batcher, n: int, frames: int, stream: bool) -> dict:
+    """`n` requests of `frames` frames submitted at once to a running `BatchEngine`: aggregate
+    frames/s, each request's decode rate (first to last frame; those that stopped early
+    excluded) and its rate from submission to last audio, and where the wait goes."""
+    from fish_sm.engine.batching import Job
+
+    rate = batcher.engine.sample_rate / batcher.engine.frame_length
+    t0 = time.perf_counter()
+    tickets = [batcher.submit(Job(BATCH_TEXTS[i % len(BATCH_TEXTS)], stream=stream,
+                                  params=SamplingParams(seed=i, max_new_tokens=frames))) for i in range(n)]
+    results = [t.result() for t in tickets]
+    wall = time.perf_counter() - t0
+    decode = [(r.frames - 1) / (t.timings["queue"] + t.timings["generate"] - t.timings["first_frame"])
+              for t, r in zip(tickets, results) if r.frames >= frames // 2] or [0.0]
+    level = {"streams": n, "stream": stream, "aggregate_frames_per_s": sum(r.frames for r in results) / wall,
+             "per_request_decode_frames_per_s_min": min(decode),
+             "per_request_decode_frames_per_s_median": statistics.median(decode),
+             "stopped_early": sum(r.frames < frames // 2 for r in results),
+             "per_request_realtime_x_min": min(decode) / rate, "wall_s": wall,
+             # submission to the last audio, as `sequential_requests` times the sequential engine
+             "end_to_end_frames_per_s_median": statistics.median(r.frames / t.timings["total"]
+                                                                 for t, r in zip(tickets, results))}
+    # Where the wait goes: until admitted (queue), until the first frame, until first audio.
+    level["admitted_ms_p50"] = statistics.median(t.timings["queue"] * 1e3 for t in tickets)
+    level["first_frame_ms_p50"] = statistics.median(t.timings["first_frame"] * 1e3 for t in tickets)
+    if stream:
+        first = sorted(t.timings["first_audio"] * 1e3 for t in tickets)
+        level["first_audio_ms_p50"] = statistics.median(first)
+        level["first_audio_ms_p95"] = first[min(len(first) - 1, math.ceil(0.95 * len(first)) - 1)]
+    return level
+
+
+def sequential_requests(engine: Engine, frames: int, requests: int = 3) -> dict:
+    """The sequential engine on the batching curve's requests, one at a time, compiled (what a
+    single stream of the batching engine is compared with): each request from its text to
+    its last audio, streamed (`Engine.stream`, audio every 16 frames) and whole
+    (`Engine.synthesize`), in frames per second of that time (median)."""
+    engine.compile()
+    rate = engine.frame_length
+
+    def streamed(i: int) -> float:
+        t0, samples = time.perf_counter(), 0
+        for piece in engine.stream(BATCH_TEXTS[i % len(BATCH_TEXTS)], seed=i, max_new_tokens=frames):
+            samples += len(piece)
+        return samples / rate / (time.perf_counter() - t0)
+
+    def whole(i: int) -> float:
+        t0 = time.perf_counter()
+        result = engine.synthesize(BATCH_TEXTS[i % len(BATCH_TEXTS)], seed=i, max_new_tokens=frames)
+        return result.frames / (time.perf_counter() - t0)
+
+    streamed(0)  # warm-up
+    out = {"stream_end_to_end_frames_per_s_median": statistics.median(streamed(i) for i in range(requests)),
+           "whole_end_to_end_frames_per_s_median": statistics.median(whole(i) for i in range(requests))}
+    print(json.dumps({"sequential": out}), flush=True)
+    engine._step = None  # its graphs' memory back before the batching engine sizes its slots
+    gc.collect()
+    if engine.device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -399,7 +443,8 @@ model = model_fn(sys.argv[1])
 total = time.perf_counter() - t0
 from torch._dynamo.utils import counters  # where a warm start's compile time goes: cache hits or not
 cache = {f"{group}.{k}": v for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
-print("MODEL_FN " + json.dumps({"total_s": total, **model.timings, "caches": cache}))
+captures = getattr(model.engine._step, "timings", {})  # the compile phase's graph captures, by kind
+print("MODEL_FN " + json.dumps({"total_s": total, **model.timings, "captures": captures, "caches": cache}))
 """
 
 
@@ -451,6 +496,25 @@ def targets_table(report: dict) -> str:
         row(f"first compile (model_fn, {quantize})", "<= 120 s", f"{first:.1f} s", first <= 120)
         runs = ", ".join(f"{t['total_s']:.1f}" for t in starts["warm_starts"])
         row(f"warm start (model_fn, {quantize})", "<= 20 s", f"{warm:.1f} s (median of {runs})", warm <= 20)
+    for curve in report.get("batching", []):
+        levels = {level["streams"]: level for level in curve["levels"] if level["stream"]}
+        at32, one, seq = levels.get(32), levels.get(1), curve.get("sequential")
+        label = f"batching, {curve['mode']}"
+        if at32:
+            row(f"{label}: 32 streams", ">= 6,000 frames/s", f"{at32['aggregate_frames_per_s']:,.0f} frames/s",
+                at32["aggregate_frames_per_s"] >= 6000)
+            row(f"{label}: each of 32 streams", ">= 5x real time", f"{at32['per_request_realtime_x_min']:.2f}x (slowest)",
+                at32["per_request_realtime_x_min"] >= 5)
+            row(f"{label}: first audio p95 at 32 (engine, not HTTP)", "<= 300 ms", f"{at32['first_audio_ms_p95']:.0f} ms",
+                at32["first_audio_ms_p95"] <= 300)
+        if one and seq:
+            ratio = one["end_to_end_frames_per_s_median"] / seq["stream_end_to_end_frames_per_s_median"]
+            row(f"{label}: 1 stream against the sequential engine, text to last audio, streamed", "within 5%",
+                f"{ratio - 1:+.1%}", ratio >= 0.95)
+        if one and bf16 and curve["mode"] == "bf16":
+            ratio = one["per_request_decode_frames_per_s_median"] / bf16["decode_short_prompt_frames_per_s"]
+            row(f"{label}: 1 stream's decode against the sequential decode loop (no codec)", "within 5%",
+                f"{ratio - 1:+.1%}", ratio >= 0.95)
     if not rows:
         return ""
     return "\n".join(["| figure | target | measured | |", "| --- | --- | --- | --- |", *rows])

@@ -9,6 +9,7 @@ continuous waveform, decoded at the end (`synthesize`) or as frames arrive (`str
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from fish_sm.model.config import ModelConfig
 from fish_sm.model.dual_ar import DualARTransformer, load_dual_ar
 from fish_sm.model.layers import Int8Embedding
 from fish_sm.model.tokenizer import Tokenizer
+
+logger = logging.getLogger("fish_sm.engine")
 
 DEFAULT_CHUNK_LENGTH = 200  # characters; upstream accepts 100..300
 SILENCE_PEAK = 1e-4
@@ -141,6 +144,8 @@ class Engine:
             step = GraphedStep(self.model)
             step.capture_all(prefill=True)
             self._step = step
+            logger.info("captured %d graphs: %s", len(step.graphs),
+                        ", ".join(f"{kind} {s:.2f} s" for kind, s in step.timings.items()))
         else:
             self._step = torch.compile(decode_frame, fullgraph=True)
         self.synthesize("Compiling the decoder.", seed=0, max_new_tokens=3)

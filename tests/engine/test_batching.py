@@ -247,3 +247,33 @@ def test_the_codec_decodes_the_shortest_ready_pieces_first(solo):
     assert worker._decode_next()  # then all three full-length pieces, in one batch
     assert all(len(events[f"playing{i}"]) == 5 for i in range(3))
     assert not worker._decode_next()
+
+
+def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled_length(solo):
+    """A last piece shorter than scheduled is padded to its scheduled length, so it is batched
+    and ordered as one of that length: a burst of streams ending together goes a batch at a
+    time, and a first piece ready meanwhile goes between two batches, not after them all."""
+    worker = CodecWorker(solo, first_piece=4, largest_piece=8)  # not started: driven by hand
+    worker.codec.max_batch_frames = 16  # pieces of 8 frames go two at a time
+    events: dict[str, list] = {}
+
+    def ticket(name: str) -> Ticket:
+        return Ticket(Job(TEXTS[0], stream=True), sink=lambda event: events.setdefault(name, []).append(event[0]))
+
+    rng = np.random.default_rng(1)
+    codes = lambda n: [rng.integers(0, 1024, solo.config.num_codebooks) for _ in range(n)]
+    ending = [ticket(f"ending{i}") for i in range(3)]
+    spoken = {id(t): codes(4 + 3) for t in ending}  # a first piece of 4, then a last one of 3 (8 scheduled)
+    worker._take_all([[("frame", t, c) for c in spoken[id(t)][:4]] for t in ending])
+    while worker._decode_next():
+        pass
+    worker._take_all([[("frame", t, c) for c in spoken[id(t)][4:]] + [("finish", t, spoken[id(t)])] for t in ending])
+    assert worker._decode_next()
+    assert sorted(len(events[f"ending{i}"]) for i in range(3)) == [1, 2, 2]
+    new = ticket("new")
+    worker._take_all([[("frame", new, c) for c in codes(4)]])
+    assert worker._decode_next()
+    assert events["new"] == ["audio"] and sorted(len(events[f"ending{i}"]) for i in range(3)) == [1, 2, 2]
+    assert worker._decode_next()
+    assert all(len(events[f"ending{i}"]) == 2 for i in range(3))
+    assert not worker._decode_next()
