@@ -258,6 +258,7 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
     out["weight_gb"] = weight_bytes(engine.model) / 1e9
     if mode != "eager":
         out["compile_s"] = _timed(engine.compile, dev)
+    _settle()
     out.update(measure(engine, frames if mode != "eager" else min(frames, 100), repeats, prompt_tokens))
     out["realtime_x"] = out["decode_frames_per_s"] * engine.frame_length / engine.sample_rate
     if profile and mode != "eager" and dev.type == "cuda":
@@ -267,8 +268,17 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
         prompt = build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE)
         out["compiled_vs_eager"] = compare_compiled_to_eager(engine, prompt)
     out["peak_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
+    gc.unfreeze()  # this engine's objects may go now
     del engine
     return out
+
+
+def _settle() -> None:
+    """What the servers do once started (`serving.handler.freeze_start_up_objects`): collect,
+    then keep the compiled graphs' millions of objects out of later collections, whose
+    pauses would otherwise land inside the measured decoding."""
+    gc.collect()
+    gc.freeze()
 
 
 
@@ -300,6 +310,7 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
         engine._step = None
         for level in out["profile"]:
             print(json.dumps({k: v for k, v in level.items() if k != "top"}), flush=True)
+    _settle()
     levels = []
     with batcher:
         batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()  # warm-up
@@ -308,6 +319,7 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
                 levels.append(batching_level(batcher, n, frames, stream))
                 print(json.dumps(levels[-1]), flush=True)
     out["levels"] = levels
+    gc.unfreeze()
     return out
 
 
@@ -349,6 +361,7 @@ def sequential_requests(engine: Engine, frames: int, requests: int = 3) -> dict:
     its last audio, streamed (`Engine.stream`, audio every 16 frames) and whole
     (`Engine.synthesize`), in frames per second of that time (median)."""
     engine.compile()
+    _settle()
     rate = engine.frame_length
 
     def streamed(i: int) -> float:
@@ -471,8 +484,9 @@ def cold_warm(checkpoint: str, quantize: str, warm_starts: int = 3) -> dict:
 
 
 def targets_table(report: dict) -> str:
-    """The speed issue's figures against its targets (nvidia-h100-x1), as a Markdown table:
-    what was measured in this run, the rest left out."""
+    """The speed and batching issues' figures against their targets (nvidia-h100-x1), as a
+    Markdown table: what was measured in this run, the rest left out. The batching engine's
+    first audio here is the engine's; over HTTP it is `fish-sm bench --stream`'s."""
     modes = {m["mode"]: m for m in report["modes"]}
     bf16, int8 = modes.get("bf16"), modes.get("int8")
     rows = []
@@ -507,10 +521,11 @@ def targets_table(report: dict) -> str:
                 at32["per_request_realtime_x_min"] >= 5)
             row(f"{label}: first audio p95 at 32 (engine, not HTTP)", "<= 300 ms", f"{at32['first_audio_ms_p95']:.0f} ms",
                 at32["first_audio_ms_p95"] <= 300)
-        if one and seq:
-            ratio = one["end_to_end_frames_per_s_median"] / seq["stream_end_to_end_frames_per_s_median"]
-            row(f"{label}: 1 stream against the sequential engine, text to last audio, streamed", "within 5%",
-                f"{ratio - 1:+.1%}", ratio >= 0.95)
+        if one and seq:  # judged against the sequential engine's faster way (whole, as its server runs)
+            whole = one["end_to_end_frames_per_s_median"] / seq["whole_end_to_end_frames_per_s_median"]
+            streamed = one["end_to_end_frames_per_s_median"] / seq["stream_end_to_end_frames_per_s_median"]
+            row(f"{label}: 1 stream (streamed) against the sequential engine, text to last audio", "within 5%",
+                f"{whole - 1:+.1%} against its whole synthesis, {streamed - 1:+.1%} against its stream", whole >= 0.95)
         if one and bf16 and curve["mode"] == "bf16":
             ratio = one["per_request_decode_frames_per_s_median"] / bf16["decode_short_prompt_frames_per_s"]
             row(f"{label}: 1 stream's decode against the sequential decode loop (no codec)", "within 5%",

@@ -194,3 +194,35 @@ def test_compiled_pickers_pick_as_eager_ones(tiny_checkpoint, rows):
             compiled = compile_decode(eager, one_row)
             for prev in (None, previous):
                 assert torch.equal(compiled(*args, t, p, r, prev), eager(*args, t, p, r, prev))
+
+
+def test_the_targets_table_judges_each_figure_against_its_target():
+    from fish_sm.engine.benchmark import targets_table
+
+    bf16 = {"mode": "bf16", "decode_frames_per_s": 368.6, "decode_short_prompt_frames_per_s": 373.5, "prefill_ms": 12.4,
+            "codec_decode_10s_ms": 48.0, "time_to_first_audio_ms": 55, "weight_gb": 1.4}
+    int8 = {**bf16, "mode": "int8", "decode_frames_per_s": 312.5, "weight_gb": 0.7}
+    levels = [{"streams": 1, "stream": True, "end_to_end_frames_per_s_median": 325.4,
+               "per_request_decode_frames_per_s_median": 333.2},
+              {"streams": 32, "stream": True, "aggregate_frames_per_s": 3254, "per_request_realtime_x_min": 6.19,
+               "first_audio_ms_p95": 107},
+              {"streams": 32, "stream": False, "aggregate_frames_per_s": 9999}]  # not streamed: not judged
+    report = {"modes": [bf16, int8],
+              "batching": [{"mode": "bf16", "levels": levels, "sequential": {
+                  "whole_end_to_end_frames_per_s_median": 338.3, "stream_end_to_end_frames_per_s_median": 270.4}}],
+              "model_fn": {"none": {"first_start": {"total_s": 49.7},
+                                    "warm_starts": [{"total_s": t} for t in (17.3, 14.3, 14.8)],
+                                    "warm_start": {"total_s": 14.8}}}}
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in targets_table(report).splitlines()[2:]}
+    verdict = {name: "not met" not in line for name, line in rows.items()}
+    assert verdict == {
+        "decode, bf16": False, "prefill, 1,000-token prompt": True, "codec decode, 10 s": True,
+        "time to first audio": True, "decode, INT8 against bf16": False, "INT8 weight memory": True,
+        "first compile (model_fn, none)": True, "warm start (model_fn, none)": True,
+        "batching, bf16: 32 streams": False, "batching, bf16: each of 32 streams": True,
+        "batching, bf16: first audio p95 at 32 (engine, not HTTP)": True,
+        "batching, bf16: 1 stream (streamed) against the sequential engine, text to last audio": True,
+        "batching, bf16: 1 stream's decode against the sequential decode loop (no codec)": False}
+    assert "0.85x" in rows["decode, INT8 against bf16"] and "-3.8% against its whole synthesis" in rows[
+        "batching, bf16: 1 stream (streamed) against the sequential engine, text to last audio"]
+    assert "median of 17.3, 14.3, 14.8" in rows["warm start (model_fn, none)"]
