@@ -93,6 +93,19 @@ def test_prefill_buckets_cover_every_prompt_length():
     assert len(prefill_buckets(8192)) == 18
 
 
+def test_attention_buckets_cover_every_length():
+    from fish_sm.engine.generate import attention_bucket, length_buckets
+
+    for max_seq_len in (64, 2048, 3000, 8192):
+        buckets = length_buckets(max_seq_len)
+        for live in range(1, max_seq_len + 1):
+            bucket = attention_bucket(max_seq_len, live)
+            assert bucket in buckets and live <= bucket <= max_seq_len
+            assert bucket - live < (256 if live <= 2048 else 512 if live <= 4096 else 1024)
+    assert length_buckets(2048) == list(range(256, 2049, 256))  # where the batching server runs: unchanged
+    assert len(length_buckets(8192)) == 16
+
+
 def test_int8_embedding_looks_up_scaled_rows():
     from fish_sm.model.layers import Int8Embedding
 
