@@ -83,9 +83,13 @@ class Attention(nn.Module):
 
     def project(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v as [B, heads, S, head_dim], normed and rotated."""
-        bsz, seqlen, _ = x.shape
+        return self.heads(self.wqkv(x), rope)
+
+    def heads(self, qkv: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The projection `qkv` [B, S, (heads + 2 * kv_heads) * head_dim] as q, k, v."""
+        bsz, seqlen, _ = qkv.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(bsz, seqlen, self.n_head, self.head_dim)
         k = k.view(bsz, seqlen, self.n_local_heads, self.head_dim)
         v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
