@@ -33,6 +33,7 @@ from datetime import date
 import torch
 
 from fish_sm.engine import Engine, Reference, SamplingParams
+from fish_sm.engine.engine import freeze_start_up_objects
 from fish_sm.engine.generate import attention_bucket, decode_frame, generate_frames, noise_size
 from fish_sm.engine.generate import prefill as run_prefill
 from fish_sm.engine.sampling import PENALTY_WINDOW
@@ -258,7 +259,7 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
     out["weight_gb"] = weight_bytes(engine.model) / 1e9
     if mode != "eager":
         out["compile_s"] = _timed(engine.compile, dev)
-    _settle()
+    freeze_start_up_objects()  # as the servers do: no full collection's pause inside the measured decoding
     out.update(measure(engine, frames if mode != "eager" else min(frames, 100), repeats, prompt_tokens))
     out["realtime_x"] = out["decode_frames_per_s"] * engine.frame_length / engine.sample_rate
     if profile and mode != "eager" and dev.type == "cuda":
@@ -271,16 +272,6 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
     gc.unfreeze()  # this engine's objects may go now
     del engine
     return out
-
-
-def _settle() -> None:
-    """What the servers do once started (`serving.handler.freeze_start_up_objects`): collect,
-    then keep the compiled graphs' millions of objects out of later collections, whose
-    pauses would otherwise land inside the measured decoding."""
-    gc.collect()
-    gc.freeze()
-
-
 
 
 def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, max_seq_len: int, device: str,
@@ -310,7 +301,7 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
         engine._step = None
         for level in out["profile"]:
             print(json.dumps({k: v for k, v in level.items() if k != "top"}), flush=True)
-    _settle()
+    freeze_start_up_objects()
     levels = []
     with batcher:
         batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()  # warm-up
@@ -361,7 +352,7 @@ def sequential_requests(engine: Engine, frames: int, requests: int = 3) -> dict:
     its last audio, streamed (`Engine.stream`, audio every 16 frames) and whole
     (`Engine.synthesize`), in frames per second of that time (median)."""
     engine.compile()
-    _settle()
+    freeze_start_up_objects()
     rate = engine.frame_length
 
     def streamed(i: int) -> float:
@@ -379,6 +370,7 @@ def sequential_requests(engine: Engine, frames: int, requests: int = 3) -> dict:
     out = {"stream_end_to_end_frames_per_s_median": statistics.median(streamed(i) for i in range(requests)),
            "whole_end_to_end_frames_per_s_median": statistics.median(whole(i) for i in range(requests))}
     print(json.dumps({"sequential": out}), flush=True)
+    gc.unfreeze()  # (frozen objects are never collected)
     engine._step = None  # its graphs' memory back before the batching engine sizes its slots
     gc.collect()
     if engine.device.type == "cuda":

@@ -8,6 +8,7 @@ continuous waveform, decoded at the end (`synthesize`) or as frames arrive (`str
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import time
@@ -247,6 +248,14 @@ class Engine:
         return Synthesis(audio=audio.astype(np.float32, copy=False), sample_rate=self.sample_rate,
                          frames=codes.shape[1], seconds=seconds,
                          rtf=timings["total"] / seconds if seconds else float("inf"), timings=timings, codes=codes)
+
+
+def freeze_start_up_objects() -> None:
+    """Move what start-up made (the compiled graphs' millions of Python objects, which live
+    as long as the server) out of the garbage collector's sight, so that a full collection
+    while serving does not walk them all with every thread stopped."""
+    gc.collect()
+    gc.freeze()
 
 
 def request_generator(device: torch.device, seed: int | None) -> torch.Generator:

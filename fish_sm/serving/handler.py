@@ -8,7 +8,6 @@ that the server reports healthy only when the first request will be fast.
 
 from __future__ import annotations
 
-import gc
 import io
 import logging
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import soundfile as sf
 
 from fish_sm.engine import Engine, Reference
+from fish_sm.engine.engine import freeze_start_up_objects
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.compile_cache import CompileCache
@@ -85,14 +85,6 @@ def model_fn(model_dir, context=None) -> ServingModel:
                 ", ".join(f"{k} {v:.2f} s" for k, v in model.timings.items()))
     freeze_start_up_objects()
     return model
-
-
-def freeze_start_up_objects() -> None:
-    """Move what start-up made (the compiled graphs' millions of Python objects, which live
-    as long as the server) out of the garbage collector's sight, so that a full collection
-    while serving does not walk them all with every thread stopped."""
-    gc.collect()
-    gc.freeze()
 
 
 def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn"):
