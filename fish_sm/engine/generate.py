@@ -172,7 +172,8 @@ class GraphedStep:
         # the graphs then replay those kernels.
         model.compile_layers(dynamic_batch=max_batch > 1)
         # One row: the residual codebooks' nucleus without a sort (see sampling.PAIRWISE_MAX_VOCAB).
-        self.pickers_one = Pickers(*(compile_decode(functools.partial(f, sort_free=True), one_row=True, tune=tune)
+        self.pickers_one = Pickers(*(compile_decode(functools.partial(f, sort_free=True), one_row=True, tune=tune,
+                                                    int8=model.quantized)
                                      for f, tune in ((pick, PICKERS_TUNED["head"]), (pick_residual, PICKERS_TUNED["residual"]))))
         self.pickers_many = Pickers(*(compile_decode(f, one_row=False) for f in (pick, pick_residual)))
         # Inference tensors, like everything a replay computes: a compiled function sees one

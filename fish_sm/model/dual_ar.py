@@ -188,25 +188,41 @@ class TransformerBlock(nn.Module):
 # an H100 a frame runs 862 kernels instead of 1,066, 8% more frames/s (docs/benchmarks.md,
 # fifth pass). Not the static launcher: torch 2.11 reloads its kernels from the compile
 # cache without their tuned configs and tunes them again at every start (what it launches
-# outside CUDA graphs is not on the decode path).
-ONE_ROW_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
+# outside CUDA graphs is not on the decode path). Programmatic dependent launch (Hopper and
+# later; ignored elsewhere): each kernel starts while the one before it drains and waits
+# only where it reads that one's output, +6% frames/s in bf16, where a frame's ~860 kernels'
+# fixed costs are most of its time (ninth pass). Not with INT8 weights, whose dequantizing
+# reductions it made slower (-7%).
+ONE_ROW_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False, "triton.enable_pdl": True}
+NOT_WITH_INT8 = ("triton.enable_pdl",)
 # Several rows (the batching engine): matmuls stay with cuBLAS, and tuning would be redone
 # for every batch size at start.
 MANY_ROWS_OPTIONS: dict = {}
 
 
-def compile_decode(fn, one_row: bool, tune: bool = True):
+def _has_option(config, name: str) -> bool:
+    for part in name.split("."):
+        if not hasattr(config, part):
+            return False
+        config = getattr(config, part)
+    return True
+
+
+def compile_decode(fn, one_row: bool, tune: bool = True, int8: bool = False):
     """`torch.compile` as the decode step's functions use it: for one row, static shapes and
-    `ONE_ROW_OPTIONS` (without the tuning if not `tune`); for several, one graph for any
-    number (specialised to the first batch size seen, then generalised) and `MANY_ROWS_OPTIONS`."""
+    `ONE_ROW_OPTIONS` (without the tuning if not `tune`, without `NOT_WITH_INT8` for a
+    model with INT8 weights); for several, one graph for any number (specialised to the
+    first batch size seen, then generalised) and `MANY_ROWS_OPTIONS`."""
     from torch._inductor import config
 
     options = dict(ONE_ROW_OPTIONS if one_row else MANY_ROWS_OPTIONS)
     if not tune:
         options.pop("coordinate_descent_tuning", None)
+    if int8:
+        options = {k: v for k, v in options.items() if k not in NOT_WITH_INT8}
     # An option this torch does not have is left out (torch.compile would refuse it): the
     # stock inference container's torch 2.6 has no static launcher to turn off.
-    options = {k: v for k, v in options.items() if hasattr(config, k)}
+    options = {k: v for k, v in options.items() if _has_option(config, k)}
     return torch.compile(fn, fullgraph=True, dynamic=False if one_row else None, options=options)
 
 
@@ -251,6 +267,11 @@ class DualARTransformer(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    @property
+    def quantized(self) -> bool:
+        """INT8 weights (torchao's tensors in place of the projections' weights)."""
+        return type(self.layers[0].attention.wqkv.weight) is not nn.Parameter
+
     def compile_layers(self, dynamic_batch: bool = False) -> None:
         """Compile the per-layer work of a decode step around attention (norms, projections,
         QK-norm, RoPE and the cache write before it; the rest after), once for all slow
@@ -264,7 +285,8 @@ class DualARTransformer(nn.Module):
         # One cache entry per layer shape and weight type (bf16, int8), per engine in this process.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         halves = TransformerBlock._pre_attention_writing, TransformerBlock._post_attention
-        compiled = tuple(tuple(compile_decode(f, one_row) for f in halves) for one_row in (True, False))
+        compiled = tuple(tuple(compile_decode(f, one_row, int8=self.quantized) for f in halves)
+                         for one_row in (True, False))
         for block in [*self.layers, *self.fast_layers]:
             block.compiled = compiled
         if dynamic_batch:

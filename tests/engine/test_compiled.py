@@ -44,6 +44,8 @@ def test_int8_weight_only_quantization(tiny_checkpoint):
     engine.quantize_int8()
     assert engine.quantized and weight_bytes(engine.model) < before
     assert type(engine.model.embeddings).__name__ == "Int8Embedding" and engine.model.dtype == torch.float32
+    # The fast head stays in the model's dtype (its INT8 product was a slow kernel at one row).
+    assert type(engine.model.fast_output.weight) is torch.nn.Parameter
     result = engine.synthesize("Quantized speech.", seed=2, max_new_tokens=6)
     assert result.audio.shape == reference.audio.shape and result.frames == reference.frames
 
@@ -207,6 +209,23 @@ def test_compiled_pickers_pick_as_eager_ones(tiny_checkpoint, rows):
             compiled = compile_decode(eager, one_row)
             for prev in (None, previous):
                 assert torch.equal(compiled(*args, t, p, r, prev), eager(*args, t, p, r, prev))
+
+
+def test_one_row_steps_use_dependent_launch_in_bf16_only(monkeypatch):
+    """What `compile_decode` hands torch.compile: PDL for bf16 one-row steps, not with INT8
+    weights, not for several rows; an option this torch lacks is left out."""
+    from fish_sm.model import dual_ar
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw["options"]) or fn)
+    for one_row, int8 in ((True, False), (True, True), (False, False)):
+        dual_ar.compile_decode(lambda x: x, one_row, int8=int8)
+    assert seen[0]["triton.enable_pdl"] is True and seen[0]["coordinate_descent_tuning"] is True
+    assert "triton.enable_pdl" not in seen[1] and seen[1]["coordinate_descent_tuning"] is True
+    assert "triton.enable_pdl" not in seen[2]
+    monkeypatch.setattr(dual_ar, "ONE_ROW_OPTIONS", {**dual_ar.ONE_ROW_OPTIONS, "triton.no_such_option": 1})
+    dual_ar.compile_decode(lambda x: x, True)
+    assert "triton.no_such_option" not in seen[3]
 
 
 def test_the_targets_table_judges_each_figure_against_its_target():
