@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fish_sm.errors import CheckpointError
+from fish_sm.model import decode_attention
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE, ModelConfig
 from fish_sm.model.layers import RMSNorm, apply_rope, rope_table
 from fish_sm.model.weights import read_state_dict, strip_prefix, take
@@ -108,6 +109,10 @@ class Attention(nn.Module):
         """Attention over k/v already in the cache (its first `live` slots)."""
         bsz, _, seqlen, _ = q.shape
         gqa = self.n_head != self.n_local_heads
+        if mask is not None and seqlen == 1 and decode_attention.usable(q, k, v):
+            # A decode step over a bucket of slots: its mask is "slot <= position" (forward_slow's),
+            # which the kernel applies itself, reading only each row's live slots.
+            return decode_attention.decode_attention(q, k, v, input_pos)
         if mask is not None:
             # Several query positions (a batch of prompts, each from its own position): not
             # cuDNN, which builds a plan for every new shape, and prompt lengths vary.

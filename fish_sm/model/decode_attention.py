@@ -1,0 +1,139 @@
+"""Attention of one new token per sequence over its KV cache, as a decode step needs it:
+split over the key slots (flash-decoding), each sequence reading only the slots up to its
+own position, GQA without repeating keys.
+
+The decode step's graphs attend over a bucketed number of slots with a mask (see
+`DualARTransformer.forward_slow`); SDPA's kernels read every slot of the bucket for every
+sequence and take two kernels (cuDNN: ~9.5 us a layer at one row, 28 a frame on an H100).
+Here one kernel reads each sequence's live slots in parallel pieces and a second combines
+the pieces' softmax sums: 6.2 us against cuDNN's 8.1 at one row over 1,280 slots, 8.1 against
+10.5 over 4,096, 21.9 against 27.1 for 32 rows of different lengths in a 512-slot bucket
+(H100, ninth pass). CUDA with Triton only; elsewhere SDPA does the same sum.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of torch come without Triton
+    triton = None
+
+# Launch defaults from a sweep on an H100 (docs/experiments/decode_attention_ab.py sweep): about
+# two programs per SM, 32 slots a block, two warps was best or within 12% of best at every shape
+# tried (one row over 1,280 and 4,096 slots, 8 and 32 rows, the fast layers' 10).
+TARGET_PROGRAMS = 256
+
+
+def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """This kernel can run for these (CUDA and Triton, 16-bit, a GPU with bf16 tensor cores,
+    head_dim a power of two and contiguous)."""
+    return (triton is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(q.device)[0] >= 8 and q.shape[-1] >= 16
+            and q.shape[-1] & (q.shape[-1] - 1) == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+
+
+def launch_config(bsz: int, n_kv: int, slots: int, target: int = TARGET_PROGRAMS, block: int = 32,
+                  warps: int = 2) -> tuple[int, int, int]:
+    """Slots per block, pieces per (sequence, kv head) (a power of two, at most one per block
+    of slots), warps per program."""
+    block_s = block if slots >= block else max(16, triton.next_power_of_2(slots))
+    splits = max(1, target // (bsz * n_kv))
+    splits = min(triton.next_power_of_2(splits), triton.next_power_of_2(triton.cdiv(slots, block_s)))
+    return block_s, splits, warps
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+    """q [B, heads, 1, head_dim]; k, v [B, kv_heads, slots, head_dim] (views of a cache); row b
+    sees slots 0..input_pos[b] (input_pos [1] shared, or [B, 1]).
+    Returns [B, 1, heads * head_dim], softmax(q k^T / sqrt(head_dim)) v per head."""
+    bsz, n_head, _, head_dim = q.shape
+    n_kv, slots = k.shape[1], k.shape[2]
+    block_s, splits, warps = launch_config(bsz, n_kv, slots)
+    chunk = triton.cdiv(triton.cdiv(slots, splits), block_s) * block_s
+    out = torch.empty(bsz, 1, n_head * head_dim, dtype=q.dtype, device=q.device)
+    pos = input_pos.reshape(-1)
+    group = n_head // n_kv
+    common = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s,
+                  SPLITS=splits, num_warps=warps)
+    if splits == 1:
+        _attend_piece[(bsz * n_kv, 1)](q, k, v, pos, 1 if pos.numel() > 1 else 0, out, out, out, out, chunk,
+                                       head_dim ** -0.5, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], n_kv,
+                                       **common)
+        return out
+    m = torch.empty(bsz, n_head, splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(bsz, n_head, splits, head_dim, dtype=torch.float32, device=q.device)
+    _attend_piece[(bsz * n_kv, splits)](q, k, v, pos, 1 if pos.numel() > 1 else 0, out, m, l, acc, chunk,
+                                        head_dim ** -0.5, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], n_kv,
+                                       **common)
+    _combine[(bsz * n_head,)](m, l, acc, out, HEAD_DIM=head_dim, SPLITS=splits)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_piece(q_ptr, k_ptr, v_ptr, pos_ptr, pos_stride, out_ptr, m_ptr, l_ptr, acc_ptr, chunk, scale,
+                      q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
+                      n_kv,
+                      HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                      SPLITS: tl.constexpr):
+        """One (sequence, kv head, piece of slots): the GROUP query heads of that kv head over
+        the piece's live slots, online softmax; the piece's max, sum and weighted values
+        (or, as the only piece, the output)."""
+        b = tl.program_id(0) // n_kv
+        kv = tl.program_id(0) % n_kv
+        piece = tl.program_id(1)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kv * GROUP + g
+        real = g < GROUP
+        q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=real[:, None], other=0.0)
+        length = tl.load(pos_ptr + b * pos_stride) + 1
+        start = piece * chunk
+        end = tl.minimum(start + chunk, length)
+        k_base = k_ptr + b * k_stride_b + kv * k_stride_h
+        v_base = v_ptr + b * v_stride_b + kv * v_stride_h
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for s0 in range(start, end, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            live = s < end
+            k = tl.load(k_base + s[:, None] * k_stride_s + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_base + s[:, None] * v_stride_s + d[None, :], mask=live[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        if SPLITS == 1:
+            y = acc / total[:, None]
+            tl.store(out_ptr + b * (GROUP * n_kv * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                     y.to(out_ptr.dtype.element_ty), mask=real[:, None])
+        else:
+            row = (b * (GROUP * n_kv) + heads) * SPLITS + piece
+            tl.store(m_ptr + row, m, mask=real)
+            tl.store(l_ptr + row, total, mask=real)
+            tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+
+    @triton.jit
+    def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+        """One (sequence, head): the pieces' sums rescaled to their common max (a piece past
+        the sequence's position has max -inf and weighs nothing)."""
+        bh = tl.program_id(0)
+        pieces = tl.arange(0, SPLITS)
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.load(m_ptr + bh * SPLITS + pieces)
+        weight = tl.exp(m - tl.max(m, 0))
+        total = tl.sum(tl.load(l_ptr + bh * SPLITS + pieces) * weight, 0)
+        acc = tl.load(acc_ptr + (bh * SPLITS + pieces)[:, None] * HEAD_DIM + d[None, :])
+        y = tl.sum(acc * weight[:, None], 0) / total
+        tl.store(out_ptr + bh * HEAD_DIM + d, y.to(out_ptr.dtype.element_ty))
