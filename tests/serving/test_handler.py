@@ -74,7 +74,8 @@ def test_each_audio_format(transformer, package_dir, accept, fmt):
 
 def test_json_response_with_resampling(transformer, package_dir):
     status, body, ctype = invoke(transformer, package_dir,
-                                 {"text": "JSON please.", "max_new_tokens": 5, "format": "flac", "sample_rate": 16000},
+                                 {"text": "JSON please.", "max_new_tokens": 5, "format": "flac", "sample_rate": 16000,
+                                  "seed": 1},  # seeded: random weights stop early for ~1 in 150 unseeded requests
                                  accept="application/json")
     doc = json.loads(body)
     assert status == 200 and ctype == "application/json"
@@ -85,7 +86,7 @@ def test_json_response_with_resampling(transformer, package_dir):
 
 
 def test_jsonlines_batch(transformer, package_dir):
-    lines = "\n".join(json.dumps({"text": f"Line {i}.", "max_new_tokens": 3 + i}) for i in range(3)).encode()
+    lines = "\n".join(json.dumps({"text": f"Line {i}.", "max_new_tokens": 3 + i, "seed": i}) for i in range(3)).encode()
     status, body, ctype = invoke(transformer, package_dir, lines, "application/jsonlines", accept="application/jsonlines")
     assert status == 200, body
     docs = [json.loads(line) for line in body.decode().splitlines()]
@@ -95,7 +96,8 @@ def test_jsonlines_batch(transformer, package_dir):
 def test_zero_shot_reference(transformer, package_dir, tone, encode_audio):
     ref = base64.b64encode(encode_audio(tone(1.0, 16000), 16000, "WAV")).decode()
     status, body, _ = invoke(transformer, package_dir,
-                             {"text": "Clone me.", "reference": {"audio": ref, "text": "A reference."}, "max_new_tokens": 4})
+                             {"text": "Clone me.", "reference": {"audio": ref, "text": "A reference."}, "max_new_tokens": 4,
+                              "seed": 2})
     assert status == 200 and len(sf.read(io.BytesIO(body))[0]) == 4 * 2048
 
 
