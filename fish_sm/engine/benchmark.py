@@ -19,6 +19,7 @@ you report. At the end it prints the speed targets' table for what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -51,6 +52,18 @@ BATCH_TEXTS = [
     "She sells sea shells by the sea shore, and the shells she sells are surely sea shells.",
     "In the beginning there was silence, and then, slowly, a voice.",
 ]
+
+
+@contextlib.contextmanager
+def start_up_frozen():
+    """What runs inside sees the collector as the servers leave it (`freeze_start_up_objects`):
+    no full collection's pause inside a measurement. Unfrozen after, so that the engine measured
+    can be collected (frozen objects never are)."""
+    freeze_start_up_objects()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _sync(device: torch.device) -> None:
@@ -259,17 +272,16 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
     out["weight_gb"] = weight_bytes(engine.model) / 1e9
     if mode != "eager":
         out["compile_s"] = _timed(engine.compile, dev)
-    freeze_start_up_objects()  # as the servers do: no full collection's pause inside the measured decoding
-    out.update(measure(engine, frames if mode != "eager" else min(frames, 100), repeats, prompt_tokens))
-    out["realtime_x"] = out["decode_frames_per_s"] * engine.frame_length / engine.sample_rate
-    if profile and mode != "eager" and dev.type == "cuda":
-        out["profile"] = profile_decode(engine, 1, 1100)
-        out["prefill_profile"] = profile_prefill(engine, prompt_tokens)
-    if mode != "eager":
-        prompt = build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE)
-        out["compiled_vs_eager"] = compare_compiled_to_eager(engine, prompt)
-    out["peak_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
-    gc.unfreeze()  # this engine's objects may go now
+    with start_up_frozen():
+        out.update(measure(engine, frames if mode != "eager" else min(frames, 100), repeats, prompt_tokens))
+        out["realtime_x"] = out["decode_frames_per_s"] * engine.frame_length / engine.sample_rate
+        if profile and mode != "eager" and dev.type == "cuda":
+            out["profile"] = profile_decode(engine, 1, 1100)
+            out["prefill_profile"] = profile_prefill(engine, prompt_tokens)
+        if mode != "eager":
+            prompt = build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE)
+            out["compiled_vs_eager"] = compare_compiled_to_eager(engine, prompt)
+        out["peak_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     del engine
     return out
 
@@ -301,16 +313,14 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
         engine._step = None
         for level in out["profile"]:
             print(json.dumps({k: v for k, v in level.items() if k != "top"}), flush=True)
-    freeze_start_up_objects()
     levels = []
-    with batcher:
+    with start_up_frozen(), batcher:
         batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()  # warm-up
         for stream in (True, False):
             for n in streams:
                 levels.append(batching_level(batcher, n, frames, stream))
                 print(json.dumps(levels[-1]), flush=True)
     out["levels"] = levels
-    gc.unfreeze()
     return out
 
 
@@ -352,25 +362,23 @@ def sequential_requests(engine: Engine, frames: int, requests: int = 3) -> dict:
     its last audio, streamed (`Engine.stream`, audio every 16 frames) and whole
     (`Engine.synthesize`), in frames per second of that time (median)."""
     engine.compile()
-    freeze_start_up_objects()
-    rate = engine.frame_length
 
     def streamed(i: int) -> float:
         t0, samples = time.perf_counter(), 0
         for piece in engine.stream(BATCH_TEXTS[i % len(BATCH_TEXTS)], seed=i, max_new_tokens=frames):
             samples += len(piece)
-        return samples / rate / (time.perf_counter() - t0)
+        return samples / engine.frame_length / (time.perf_counter() - t0)
 
     def whole(i: int) -> float:
         t0 = time.perf_counter()
         result = engine.synthesize(BATCH_TEXTS[i % len(BATCH_TEXTS)], seed=i, max_new_tokens=frames)
         return result.frames / (time.perf_counter() - t0)
 
-    streamed(0)  # warm-up
-    out = {"stream_end_to_end_frames_per_s_median": statistics.median(streamed(i) for i in range(requests)),
-           "whole_end_to_end_frames_per_s_median": statistics.median(whole(i) for i in range(requests))}
+    with start_up_frozen():
+        streamed(0)  # warm-up
+        out = {"stream_end_to_end_frames_per_s_median": statistics.median(streamed(i) for i in range(requests)),
+               "whole_end_to_end_frames_per_s_median": statistics.median(whole(i) for i in range(requests))}
     print(json.dumps({"sequential": out}), flush=True)
-    gc.unfreeze()  # (frozen objects are never collected)
     engine._step = None  # its graphs' memory back before the batching engine sizes its slots
     gc.collect()
     if engine.device.type == "cuda":

@@ -59,18 +59,14 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tens
     group = n_head // n_kv
     common = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s,
                   SPLITS=splits, num_warps=warps)
-    if splits == 1:
-        _attend_piece[(bsz * n_kv, 1)](q, k, v, pos, 1 if pos.numel() > 1 else 0, out, out, out, out, chunk,
-                                       head_dim ** -0.5, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], n_kv,
-                                       **common)
-        return out
-    m = torch.empty(bsz, n_head, splits, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty(bsz, n_head, splits, head_dim, dtype=torch.float32, device=q.device)
-    _attend_piece[(bsz * n_kv, splits)](q, k, v, pos, 1 if pos.numel() > 1 else 0, out, m, l, acc, chunk,
-                                        head_dim ** -0.5, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], n_kv,
-                                       **common)
-    _combine[(bsz * n_head,)](m, l, acc, out, HEAD_DIM=head_dim, SPLITS=splits)
+    pieces = out, out, out  # one piece: the program writes the output itself
+    if splits > 1:
+        m = torch.empty(bsz, n_head, splits, dtype=torch.float32, device=q.device)
+        pieces = m, torch.empty_like(m), torch.empty(bsz, n_head, splits, head_dim, dtype=torch.float32, device=q.device)
+    _attend_piece[(bsz * n_kv, splits)](q, k, v, pos, 1 if pos.numel() > 1 else 0, out, *pieces, chunk, head_dim ** -0.5,
+                                        *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], n_kv, **common)
+    if splits > 1:
+        _combine[(bsz * n_head,)](*pieces, out, HEAD_DIM=head_dim, SPLITS=splits)
     return out
 
 

@@ -24,12 +24,12 @@ import numpy as np
 from aiohttp import web
 
 from fish_sm.engine.batching import BatchEngine, Job, Overloaded
+from fish_sm.engine.engine import freeze_start_up_objects
 from fish_sm.engine.sampling import SamplingParams
 from fish_sm.errors import InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.errors import HTTPError, bad_request, engine_error
-from fish_sm.serving.handler import (Prediction, ServingModel, WARMUP_TEXT, freeze_start_up_objects, load_model, output_fn,
-                                     resolve_reference)
+from fish_sm.serving.handler import Prediction, ServingModel, WARMUP_TEXT, load_model, output_fn, resolve_reference
 from fish_sm.serving.request import (AUDIO_TYPES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type, parse_body,
                                       response_format)
 from fish_sm.serving.server import PAYLOAD_LIMIT, ServerConfig, check_model_dir
