@@ -15,11 +15,11 @@ import json, os, statistics, sys, time
 import torch
 import torch.nn.functional as F
 
-from fish_sm.engine.benchmark import (BATCH_TEXTS, SENTENCE, batching_level, compare_compiled_to_eager, measure,
-                                      profile_decode)
+from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager, measure, profile_decode
 from fish_sm.engine.engine import Engine, freeze_start_up_objects
 from fish_sm.engine.prompt import build_prompt
 from fish_sm.model import decode_attention
+from experiment_tools import graphed_us, levels_in_turns
 
 checkpoint, what = sys.argv[1], sys.argv[2]
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
@@ -34,20 +34,6 @@ def variant(name: str):
 def save():
     with open(os.path.join(os.environ.get("OUT", "."), f"decode_attention_{what}.json"), "w") as f:
         json.dump(out, f, indent=1)
-
-
-def graphed_us(fn, calls=100):
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay(); torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (5 * calls) * 1e6
 
 
 SHAPES = ((1, 16, 8, 128, 1280, False), (1, 16, 8, 128, 4096, False), (32, 16, 8, 128, 512, False),
@@ -115,11 +101,9 @@ elif what == "sequential":
     print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
     save()
 else:
-    from fish_sm.engine.batching import BatchEngine, Job
-    from fish_sm.engine.sampling import SamplingParams
+    from fish_sm.engine.batching import BatchEngine
 
     streams = [int(n) for n in (sys.argv[4] if len(sys.argv) > 4 else "1,32,64").split(",")]
-    out["levels"] = []
     batchers = {}
     for name in ("sdpa", "kernel"):
         variant(name)
@@ -134,12 +118,5 @@ else:
         batchers[name] = batcher
     variant("kernel")
     freeze_start_up_objects()
-    for round_ in range(rounds):
-        for name, batcher in batchers.items():
-            with batcher:
-                batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()
-                for n in streams:
-                    level = {"variant": name, "round": round_, **batching_level(batcher, n, 200, True)}
-                    print(json.dumps(level), flush=True)
-                    out["levels"].append(level)
+    out["levels"] = levels_in_turns(batchers, streams, rounds, "variant")
     save()

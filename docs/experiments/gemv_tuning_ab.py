@@ -14,27 +14,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fish_sm.model import dual_ar
 from fish_sm.engine.engine import Engine
 from fish_sm.engine.benchmark import measure, profile_decode, weight_bytes
+from experiment_tools import graphed_us
 
 out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 
 def save():
     json.dump(out, open(os.environ.get("OUT", ".") + "/gemv_ab.json", "w"), indent=1)
-
-
-def graphed_us(fn, calls=100):
-    """Microseconds a call, replayed from one CUDA graph of `calls` calls."""
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay(); torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (5 * calls) * 1e6
 
 
 for variant in sys.argv[2].split(","):

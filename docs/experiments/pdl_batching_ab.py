@@ -11,16 +11,16 @@ import json, os, sys, time
 import torch
 
 from fish_sm.engine import Engine
-from fish_sm.engine.batching import BatchEngine, Job
-from fish_sm.engine.benchmark import BATCH_TEXTS, batching_level, profile_decode
+from fish_sm.engine.batching import BatchEngine
+from fish_sm.engine.benchmark import profile_decode
 from fish_sm.engine.engine import freeze_start_up_objects
-from fish_sm.engine.sampling import SamplingParams
 from fish_sm.model import dual_ar
+from experiment_tools import levels_in_turns
 
 checkpoint = sys.argv[1]
 streams = [int(n) for n in (sys.argv[2] if len(sys.argv) > 2 else "1,32,64").split(",")]
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}, "levels": []}
+out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
 batchers = {}
 for name in ("off", "on"):
     dual_ar.MANY_ROWS_OPTIONS = {"triton.enable_pdl": True} if name == "on" else {}
@@ -38,13 +38,6 @@ for name in ("off", "on"):
     print(name, json.dumps({k: v for k, v in p.items() if k != "top"}), round(info["compile_s"], 1), flush=True)
     batchers[name] = batcher
 freeze_start_up_objects()
-for round_ in range(rounds):
-    for name, batcher in batchers.items():
-        with batcher:
-            batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()
-            for n in streams:
-                level = {"pdl": name, "round": round_, **batching_level(batcher, n, 200, True)}
-                print(json.dumps(level), flush=True)
-                out["levels"].append(level)
+out["levels"] = levels_in_turns(batchers, streams, rounds, "pdl")
 with open(os.path.join(os.environ.get("OUT", "."), "pdl_batching_ab.json"), "w") as f:
     json.dump(out, f, indent=1)
