@@ -23,6 +23,7 @@ from torch import Tensor
 from fish_sm.errors import InputError
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE
 from fish_sm.model.dual_ar import DualARTransformer, compile_decode
+from fish_sm.engine import residual_sampling
 from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices, logits_to_probs
 
 
@@ -53,11 +54,23 @@ def pick_residual(model: DualARTransformer, hidden: Tensor, noise: Tensor, tempe
     return pick(model.fast_logits(hidden), noise, temperature, top_p, penalty, previous, sort_free)
 
 
+def pick_residual_kernels(model: DualARTransformer, hidden: Tensor, noise: Tensor, temperature: Tensor,
+                          top_p: Tensor, penalty: Tensor, previous: Tensor | None,
+                          next_input: bool) -> tuple[Tensor, Tensor | None]:
+    """`pick_residual` for one row as kernels of our own (`residual_sampling`), with the next
+    fast step's input (the code's embedding)."""
+    return residual_sampling.sample_residual(model.fast_logits(hidden), noise, temperature, top_p, penalty, previous,
+                                             model.fast_embeddings.weight, next_input)
+
+
 class Pickers(NamedTuple):
     """The functions `sample_frame` picks codes with: these, eager, or their compiled
-    versions (the graphs': head, nucleus, softmax and draw in a few fused kernels)."""
+    versions (the graphs': head, nucleus, softmax and draw in a few fused kernels).
+    `residual_with_input`: instead of `residual`, a picker that also returns the code's
+    embedding (`pick_residual_kernels`)."""
     head: Callable[..., Tensor] = pick
     residual: Callable[..., Tensor] = pick_residual
+    residual_with_input: Callable[..., tuple[Tensor, Tensor | None]] | None = None
 
 
 def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, window: Tensor | None, noise: Tensor,
@@ -77,11 +90,18 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
     code = torch.where(is_end, 0, row)
     codes = [code]
     model.forward_fast(hidden, 0)  # fills position 0 of the fast cache; its logits are unused
+    x = model.fast_embeddings(code)
     for i in range(1, c.num_codebooks):
-        h = model.forward_fast(model.fast_embeddings(code), i)
+        h = model.forward_fast(x, i)
         start = n_head + (i - 1) * RESIDUAL_CODEBOOK_SIZE
-        code = pickers.residual(model, h, noise[:, start : start + RESIDUAL_CODEBOOK_SIZE], temperature, top_p,
-                                penalty, None if window is None else window[:, i + 1])
+        args = (model, h, noise[:, start : start + RESIDUAL_CODEBOOK_SIZE], temperature, top_p, penalty,
+                None if window is None else window[:, i + 1])
+        last = i == c.num_codebooks - 1
+        if pickers.residual_with_input is not None:
+            code, x = pickers.residual_with_input(*args, next_input=not last)
+        else:
+            code = pickers.residual(*args)
+            x = None if last else model.fast_embeddings(code)
         codes.append(code)
     return torch.stack([token, *codes], dim=1)
 
@@ -171,10 +191,15 @@ class GraphedStep:
         # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels;
         # the graphs then replay those kernels.
         model.compile_layers(dynamic_batch=max_batch > 1)
-        # One row: the residual codebooks' nucleus without a sort (see sampling.PAIRWISE_MAX_VOCAB).
+        # One row: the residual codebooks' nucleus without a sort (see sampling.PAIRWISE_MAX_VOCAB);
+        # on `row_products`, the heads read no torchao tensors: dependent launch as in bf16.
         self.pickers_one = Pickers(*(compile_decode(functools.partial(f, sort_free=True), one_row=True, tune=tune,
-                                                    int8=model.quantized)
+                                                    int8=model.quantized and not model.row_steps)
                                      for f, tune in ((pick, PICKERS_TUNED["head"]), (pick_residual, PICKERS_TUNED["residual"]))))
+        # On `row_products`, the residual codes' sampling and the next step's lookup as kernels of
+        # their own: two a fast step instead of six.
+        if model.row_steps and residual_sampling.usable(torch.empty(1, RESIDUAL_CODEBOOK_SIZE, device=dev)):
+            self.pickers_one = self.pickers_one._replace(residual_with_input=pick_residual_kernels)
         self.pickers_many = Pickers(*(compile_decode(f, one_row=False) for f in (pick, pick_residual)))
         # Inference tensors, like everything a replay computes: a compiled function sees one
         # kind of tensor from every caller (a buffer made outside inference mode would make

@@ -36,6 +36,46 @@ def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
             and q.shape[-1] & (q.shape[-1] - 1) == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
 
 
+def dependent_launch(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and later): a kernel starts while the one before
+    drains and waits inside before reading what that one wrote."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def attend_new_token(qkv: Tensor, n_head: int, n_kv: int, q_norm: Tensor | None, k_norm: Tensor | None,
+                     eps: float, rope: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor,
+                     slots: int) -> Tensor:
+    """A decode step's attention for one sequence (cache row 0), from its projection `qkv`
+    [1, 1, (heads + 2 kv_heads) * head_dim]: QK-norm (if the weights are given) and RoPE
+    (`rope` [1, head_dim/2, 2], its position's) of q and the new k, the new k and v written
+    into the cache at `input_pos` [1], and attention over slots 0..input_pos (`slots` bounds
+    them: the step's bucket). Returns [1, 1, heads * head_dim]. Where the model's torch runs
+    three kernels before attention (the norms and RoPE of q, of k with the cache write, v's
+    write), this runs none: each program of the attention derives its own heads' q and new
+    k/v (at most two query heads and one kv head of 128 values), and the program whose
+    piece of slots holds the new position writes them."""
+    head_dim = k_cache.shape[-1]
+    group = n_head // n_kv
+    block_s, splits, warps = launch_config(1, n_kv, slots)
+    chunk = triton.cdiv(triton.cdiv(slots, splits), block_s) * block_s
+    out = torch.empty(1, 1, n_head * head_dim, dtype=qkv.dtype, device=qkv.device)
+    pieces = out, out, out
+    if splits > 1:
+        m = torch.empty(1, n_head, splits, dtype=torch.float32, device=qkv.device)
+        pieces = m, torch.empty_like(m), torch.empty(1, n_head, splits, head_dim, dtype=torch.float32, device=qkv.device)
+    pdl = dependent_launch(qkv.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    norms = (q_norm, k_norm) if q_norm is not None else (rope, rope)
+    _attend_new_token[(n_kv, splits)](qkv, *norms, rope, k_cache, v_cache, input_pos, out, *pieces, chunk,
+                                      head_dim ** -0.5, eps, *k_cache.stride()[1:3], *v_cache.stride()[1:3], n_head,
+                                      n_kv, HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                                      BLOCK_S=block_s, SPLITS=splits, QK_NORM=q_norm is not None, PDL=pdl,
+                                      num_warps=warps, **launch)
+    if splits > 1:
+        _combine[(n_head,)](*pieces, out, HEAD_DIM=head_dim, SPLITS=splits, PDL=pdl, **launch)
+    return out
+
+
 def launch_config(bsz: int, n_kv: int, slots: int, target: int = TARGET_PROGRAMS, block: int = 32,
                   warps: int = 2) -> tuple[int, int, int]:
     """Slots per block, pieces per (sequence, kv head) (a power of two, at most one per block
@@ -57,8 +97,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tens
     out = torch.empty(bsz, 1, n_head * head_dim, dtype=q.dtype, device=q.device)
     pos = input_pos.reshape(-1)
     group = n_head // n_kv
+    pdl = bsz == 1 and dependent_launch(q.device)  # one row, as the compiled steps (dual_ar.ONE_ROW_OPTIONS)
+    launch = {"launch_pdl": True} if pdl else {}
     common = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s,
-                  SPLITS=splits, num_warps=warps)
+                  SPLITS=splits, PDL=pdl, num_warps=warps, **launch)
     pieces = out, out, out  # one piece: the program writes the output itself
     if splits > 1:
         m = torch.empty(bsz, n_head, splits, dtype=torch.float32, device=q.device)
@@ -66,7 +108,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tens
     _attend_piece[(bsz * n_kv, splits)](q, k, v, pos, 1 if pos.numel() > 1 else 0, out, *pieces, chunk, head_dim ** -0.5,
                                         *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], n_kv, **common)
     if splits > 1:
-        _combine[(bsz * n_head,)](*pieces, out, HEAD_DIM=head_dim, SPLITS=splits)
+        _combine[(bsz * n_head,)](*pieces, out, HEAD_DIM=head_dim, SPLITS=splits, PDL=pdl, **launch)
     return out
 
 
@@ -77,10 +119,13 @@ if triton is not None:
                       q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
                       n_kv,
                       HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                      SPLITS: tl.constexpr):
+                      SPLITS: tl.constexpr, PDL: tl.constexpr):
         """One (sequence, kv head, piece of slots): the GROUP query heads of that kv head over
         the piece's live slots, online softmax; the piece's max, sum and weighted values
         (or, as the only piece, the output)."""
+        if PDL:  # everything read here may come from the kernel before (q, the new k/v, the position)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0) // n_kv
         kv = tl.program_id(0) % n_kv
         piece = tl.program_id(1)
@@ -121,9 +166,99 @@ if triton is not None:
             tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
 
     @triton.jit
-    def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    def _rotated(a, b, cos, sin, w_a, w_b, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, DTYPE: tl.constexpr):
+        """Heads [rows, HEAD_DIM] given as their even (a) and odd (b) elements: RMSNorm'd if
+        QK_NORM (rounded to the activations' DTYPE before its weight and after, as the model),
+        then rotated by RoPE in float32; interleaved back and rounded."""
+        if QK_NORM:
+            inv = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / HEAD_DIM + eps)[:, None]
+            a = ((a * inv).to(DTYPE).to(tl.float32) * w_a).to(DTYPE).to(tl.float32)
+            b = ((b * inv).to(DTYPE).to(tl.float32) * w_b).to(DTYPE).to(tl.float32)
+        return tl.interleave(a * cos - b * sin, b * cos + a * sin).to(DTYPE)
+
+    @triton.jit
+    def _attend_new_token(qkv_ptr, qn_ptr, kn_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                          chunk, scale, eps, k_stride_h, k_stride_s, v_stride_h, v_stride_s, n_head, n_kv,
+                          HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                          SPLITS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+        """`_attend_piece` for one sequence whose new token is still in its projection: the
+        GROUP query heads of kv head `kv` and the new k/v are derived here; the cache's slots
+        before the new position are read from it, the new one's k/v come from registers."""
+        kv = tl.program_id(0)
+        piece = tl.program_id(1)
+        g = tl.arange(0, BLOCK_G)
+        i = tl.arange(0, HEAD_DIM // 2)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kv * GROUP + g
+        real = g < GROUP
+        # What the kernel before does not write (RoPE's row, the norms' weights) loads before waiting for it.
+        cos = tl.load(rope_ptr + 2 * i).to(tl.float32)[None, :]
+        sin = tl.load(rope_ptr + 2 * i + 1).to(tl.float32)[None, :]
+        qw_a, qw_b, kw_a, kw_b = cos, cos, cos, cos  # (no QK-norm: unused)
+        if QK_NORM:
+            qw_a = tl.load(qn_ptr + 2 * i).to(tl.float32)[None, :]
+            qw_b = tl.load(qn_ptr + 2 * i + 1).to(tl.float32)[None, :]
+            kw_a = tl.load(kn_ptr + 2 * i).to(tl.float32)[None, :]
+            kw_b = tl.load(kn_ptr + 2 * i + 1).to(tl.float32)[None, :]
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        q_at = qkv_ptr + heads[:, None] * HEAD_DIM + 2 * i[None, :]
+        q = _rotated(tl.load(q_at, mask=real[:, None], other=0.0).to(tl.float32),
+                     tl.load(q_at + 1, mask=real[:, None], other=0.0).to(tl.float32), cos, sin, qw_a, qw_b, eps,
+                     HEAD_DIM, QK_NORM, out_ptr.dtype.element_ty)
+        k_at = qkv_ptr + (n_head + kv) * HEAD_DIM + 2 * i[None, :]
+        k_new = _rotated(tl.load(k_at).to(tl.float32), tl.load(k_at + 1).to(tl.float32), cos, sin, kw_a, kw_b, eps,
+                         HEAD_DIM, QK_NORM, out_ptr.dtype.element_ty)  # [1, HEAD_DIM]
+        v_new = tl.load(qkv_ptr + (n_head + n_kv + kv) * HEAD_DIM + d)[None, :]
+        pos = tl.load(pos_ptr)
+        start = piece * chunk
+        end = tl.minimum(start + chunk, pos + 1)
+        k_base = k_ptr + kv * k_stride_h
+        v_base = v_ptr + kv * v_stride_h
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        before = tl.minimum(end, pos)  # the cache's slots; the new position's k/v are not in it yet
+        for s0 in range(start, before, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            live = s < before
+            k = tl.load(k_base + s[:, None] * k_stride_s + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_base + s[:, None] * v_stride_s + d[None, :], mask=live[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        if (start <= pos) & (pos < end):  # this piece holds the new position: its k/v into the cache, and its term
+            tl.store(k_base + pos * k_stride_s + d[None, :], k_new)
+            tl.store(v_base + pos * v_stride_s + d[None, :], v_new)
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
+            m_new = tl.maximum(m, score)
+            p = tl.exp(score - m_new)
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + p
+            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+            m = m_new
+        if SPLITS == 1:
+            tl.store(out_ptr + heads[:, None] * HEAD_DIM + d[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=real[:, None])
+        else:
+            row = heads * SPLITS + piece
+            tl.store(m_ptr + row, m, mask=real)
+            tl.store(l_ptr + row, total, mask=real)
+            tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+
+    @triton.jit
+    def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
         """One (sequence, head): the pieces' sums rescaled to their common max (a piece past
         the sequence's position has max -inf and weighs nothing)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
         pieces = tl.arange(0, SPLITS)
         d = tl.arange(0, HEAD_DIM)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fish_sm.errors import CheckpointError
-from fish_sm.model import decode_attention
+from fish_sm.model import decode_attention, row_products
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE, ModelConfig
 from fish_sm.model.layers import RMSNorm, apply_rope, rope_table
 from fish_sm.model.weights import read_state_dict, strip_prefix, take
@@ -157,6 +157,8 @@ class TransformerBlock(nn.Module):
         if self.compiled is not None and x.shape[1] == 1 and isinstance(row, int) and row == 0:
             # A decode step: the compiled halves (see DualARTransformer.compile_layers); the
             # first also writes the step's k/v into the cache, attention runs between them.
+            if self.compiled[x.shape[0] > 1] is None:  # one row on the row-product kernels
+                return self._decode_row(x, rope, input_pos, live, mask)
             pre, post = self.compiled[x.shape[0] > 1]
             q = pre(self, x, rope, input_pos)
             k, v = self.attention.kv_cache.read(live, row, x.shape[0])
@@ -182,6 +184,49 @@ class TransformerBlock(nn.Module):
     def _post_attention(self, x: Tensor, y: Tensor) -> Tensor:
         h = x + self.attention.wo(y)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    # A decode step of one row on `row_products` kernels (norms, SwiGLU and residual adds fused
+    # into the products); their weights are the buffers `attach_row_weights` sets.
+    PRODUCTS = {"wqkv": ("attention", "wqkv"), "wo": ("attention", "wo"), "w13": ("feed_forward", "w13"),
+                "w2": ("feed_forward", "w2")}
+
+    def row_products_readable(self) -> bool:
+        return all(row_products.readable(getattr(getattr(self, part), name)) for part, name in self.PRODUCTS.values())
+
+    def attach_row_weights(self) -> None:
+        """The products' weights as buffers (views of the projections' own): compiled code takes
+        a module's buffers as inputs, so one graph serves every layer of a shape."""
+        for key, (part, name) in self.PRODUCTS.items():
+            w, scale = row_products.product_weights(getattr(getattr(self, part), name))
+            self.register_buffer(f"rows_{key}", w, persistent=False)
+            self.register_buffer(f"rows_{key}_scale", scale, persistent=False)
+
+    def _decode_row(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
+        """A decode step of one row (cache row 0) as five kernels of our own, each with the work
+        around it fused: norm and wqkv; QK-norm, RoPE, the cache write and attention over the
+        row's live slots (plus a kernel combining its pieces over long caches); wo and the
+        residual; norm and w13; SwiGLU, w2 and the residual. Where the kernels cannot run,
+        the same arithmetic in torch."""
+        a, norm = self.attention, self.attention_norm
+        qkv = row_products.row_product(x, self.rows_wqkv, self.rows_wqkv_scale, norm.weight, None,
+                                       row_products.NORM, norm.eps)
+        cache = a.kv_cache
+        k, v = cache.read(live, 0, 1)
+        if row_products.usable(qkv) and decode_attention.usable(qkv.view(1, -1, 1, a.head_dim), k, v):
+            q_norm, k_norm = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
+            y = decode_attention.attend_new_token(qkv, a.n_head, a.n_local_heads, q_norm, k_norm,
+                                                  a.q_norm.eps if a.q_norm is not None else 0.0, rope, cache.k, cache.v,
+                                                  input_pos, live)
+        else:
+            q, k_new, v_new = a.heads(qkv, rope)
+            y = a.attend(q, k_new, v_new, input_pos, live, mask)
+        return self._post_attention_rows(x, y)
+
+    def _post_attention_rows(self, x: Tensor, y: Tensor) -> Tensor:
+        h = row_products.row_product(y, self.rows_wo, self.rows_wo_scale, None, x, row_products.PLAIN, 0.0)
+        gate_up = row_products.row_product(h, self.rows_w13, self.rows_w13_scale, self.ffn_norm.weight, None,
+                                           row_products.NORM, self.ffn_norm.eps)
+        return row_products.row_product(gate_up, self.rows_w2, self.rows_w2_scale, None, h, row_products.SWIGLU, 0.0)
 
     compiled: tuple | None = None  # ((pre, post) for one row, (pre, post) for several)
     prefill_compiled: tuple | None = None
@@ -277,7 +322,30 @@ class DualARTransformer(nn.Module):
         """INT8 weights (torchao's tensors in place of the projections' weights)."""
         return type(self.layers[0].attention.wqkv.weight) is not nn.Parameter
 
-    def compile_layers(self, dynamic_batch: bool = False) -> None:
+    def uses_row_products(self) -> bool:
+        """Decode steps of one row run their products as `row_products` kernels: where those run
+        (CUDA with Triton, bf16) and every layer's projections and both heads are readable by them."""
+        return (row_products.usable(self.norm.weight) and row_products.readable(self.head)
+                and row_products.readable(self.fast_output)
+                and all(b.row_products_readable() for b in [*self.layers, *self.fast_layers]))
+
+    row_steps = False  # decode steps of one row on `row_products` kernels (set by compile_layers)
+
+    def _attach_head_weights(self) -> None:
+        for key, linear in (("head", self.head), ("fast_head", self.fast_output)):
+            w, scale = row_products.product_weights(linear)
+            self.register_buffer(f"rows_{key}", w, persistent=False)
+            self.register_buffer(f"rows_{key}_scale", scale, persistent=False)
+
+    def head_logits(self, x: Tensor) -> Tensor:
+        """The slow head's logits of x [B, dim]: its norm and product (one kernel for one row of
+        a model on `row_products`)."""
+        if self.row_steps and x.shape[0] == 1:
+            return row_products.row_product(x, self.rows_head, self.rows_head_scale, self.norm.weight, None,
+                                            row_products.NORM, self.norm.eps)
+        return self.head(self.norm(x))
+
+    def compile_layers(self, dynamic_batch: bool = False, rows: bool | None = None) -> None:
         """Compile the per-layer work of a decode step around attention (norms, projections,
         QK-norm, RoPE and the cache write before it; the rest after), once for all slow
         layers and once for all fast ones (same code, same shapes: the compiled graphs are
@@ -286,14 +354,22 @@ class DualARTransformer(nn.Module):
         `dynamic_batch` (the batching engine): the slow layers' halves are also compiled for
         prompts of any batch and length (its admissions, which otherwise launch ~2,700
         kernels one by one from Python, ~90 ms of a decode loop that every active stream
-        waits on)."""
+        waits on). `rows`: steps of one row on `row_products` kernels instead (None: where
+        `uses_row_products`), nothing compiled for them; INT8 weights are then read by
+        those kernels, not torchao's."""
         # One cache entry per layer shape and weight type (bf16, int8), per engine in this process.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        rows = self.uses_row_products() if rows is None else rows
         halves = TransformerBlock._pre_attention_writing, TransformerBlock._post_attention
-        compiled = tuple(tuple(compile_decode(f, one_row, int8=self.quantized) for f in halves)
-                         for one_row in (True, False))
+        one_row = None if rows else tuple(compile_decode(f, True, int8=self.quantized) for f in halves)
+        compiled = (one_row, tuple(compile_decode(f, False, int8=self.quantized) for f in halves))
         for block in [*self.layers, *self.fast_layers]:
+            if rows:
+                block.attach_row_weights()
             block.compiled = compiled
+        if rows:
+            self._attach_head_weights()
+        self.row_steps = rows
         if dynamic_batch:
             prefill = (torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=True),
                        torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=True))
@@ -343,7 +419,10 @@ class DualARTransformer(nn.Module):
         of each row (a batch of prompts padded to one length).
         """
         mask = None
-        if key_pos is not None:
+        if (key_pos is not None and self.row_steps and tokens.shape[0] == 1 and tokens.shape[-1] == 1
+                and isinstance(row, int) and row == 0 and row_products.usable(self.norm.weight)):
+            live = key_pos.shape[0]  # a step on `_decode_row`, whose attention masks by position itself
+        elif key_pos is not None:
             live = key_pos.shape[0]
             mask = key_pos <= input_pos[..., None]  # [S, live] or [B, S, live]
             mask = mask[None, None] if input_pos.dim() == 1 else mask[:, None]
@@ -355,7 +434,7 @@ class DualARTransformer(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, input_pos, live, mask, row)
         x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
-        return self.head(self.norm(x)), self.fast_project_in(x)
+        return self.head_logits(x), self.fast_project_in(x)
 
     def forward_fast(self, x: Tensor, pos: int) -> Tensor:
         """One step of the fast transformer at codebook position `pos`; x [B, fast_dim] -> hidden [B, fast_dim]."""
@@ -367,7 +446,10 @@ class DualARTransformer(nn.Module):
         return x[:, 0]
 
     def fast_logits(self, hidden: Tensor) -> Tensor:
-        """Logits of the residual codebooks' 1,024 codes."""
+        """Logits of the residual codebooks' 1,024 codes (as `head_logits`)."""
+        if self.row_steps and hidden.shape[0] == 1:
+            return row_products.row_product(hidden, self.rows_fast_head, self.rows_fast_head_scale, self.fast_norm.weight,
+                                            None, row_products.NORM, self.fast_norm.eps)
         return self.fast_output(self.fast_norm(hidden))
 
 

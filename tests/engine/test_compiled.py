@@ -50,15 +50,16 @@ def test_int8_weight_only_quantization(tiny_checkpoint):
     assert result.audio.shape == reference.audio.shape and result.frames == reference.frames
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_compiled_layers_write_the_cache_as_eager_ones_do(tiny_checkpoint, batch):
+@pytest.mark.parametrize("batch, rows", [(1, False), (3, False), (1, True)])
+def test_compiled_layers_write_the_cache_as_eager_ones_do(tiny_checkpoint, batch, rows):
     """The GPU's compiled per-layer halves (the first writes k/v into the cache) against
-    the eager layers: same logits and the same cache after a few decode steps."""
+    the eager layers: same logits and the same cache after a few decode steps. `rows`: the
+    one-row halves on `row_products` (here their torch arithmetic; the GPU runs the kernels)."""
     from fish_sm.engine.generate import decode_frame, noise_size
     from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
 
     engines = [Engine.from_pretrained(tiny_checkpoint, device="cpu") for _ in range(2)]
-    engines[1].model.compile_layers(dynamic_batch=batch > 1)
+    engines[1].model.compile_layers(dynamic_batch=batch > 1, rows=rows)
     rows = 1 + engines[0].config.num_codebooks
     t, p, r = (x.view(1, 1).expand(batch, 1) for x in SamplingParams(seed=0).tensors("cpu"))
     outs = []

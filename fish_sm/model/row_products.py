@@ -1,0 +1,184 @@
+"""The products of a decode step of one row, as hand-written matrix-vector kernels: one
+kernel per product with the work around it fused in — the RMSNorm before wqkv and w13
+(each program recomputes the row's statistics, 1,024 values, instead of a kernel of its
+own), the SwiGLU before w2, the residual add after wo and w2 — over bf16 weights or int8
+weights with a scale per output row (torchao's weight-only INT8 data, read as it is).
+
+Why not inductor's: a frame runs 68 layers of these at one row, where a kernel's fixed
+costs are as large as its memory time. Inductor makes a statistics kernel for every norm
+(136 a frame), and its INT8 reductions read int8 weights no faster than bf16 ones
+(docs/benchmarks.md, eighth and ninth passes). Here every kernel reads its first block of
+weights before waiting on the kernel before it (programmatic dependent launch, Hopper and
+later), since weights never depend on it.
+
+CUDA with Triton only; elsewhere (and as the tests' reference) `row_product` runs the same
+arithmetic in torch, rounding where the kernel rounds, which is where the model rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of torch come without Triton
+    triton = None
+
+PLAIN, NORM, SWIGLU = 0, 1, 2  # what a product does to its input first
+
+
+def usable(x: Tensor) -> bool:
+    """The kernels can run on this activation's device and dtype."""
+    return (triton is not None and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper and later."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# Launch configs (rows per program, inputs per block, warps) for S1-mini's products, by
+# (N, K, int8): the fastest of a sweep of 24-48 on an H100, weights read from memory as a
+# frame reads them (docs/experiments/row_products_ab.py sweep; tenth pass). Other shapes
+# take the default, which was within ~25% of the best at every one of these.
+LAUNCH_CONFIGS = {
+    (4096, 1024, False): (16, 1024, 4), (1024, 2048, False): (2, 1024, 4), (6144, 1024, False): (4, 512, 4),
+    (1024, 3072, False): (8, 2048, 8), (2048, 1024, False): (8, 1024, 2), (1024, 1024, False): (8, 1024, 4),
+    (4096, 1024, True): (16, 1024, 4), (1024, 2048, True): (2, 2048, 4), (6144, 1024, True): (4, 512, 4),
+    (1024, 3072, True): (4, 1024, 8), (2048, 1024, True): (16, 1024, 4), (1024, 1024, True): (4, 1024, 4),
+}
+
+
+def launch_config(n: int, k: int, int8: bool) -> tuple[int, int, int]:
+    """Rows per program, inputs per block, warps for an [N, K] product."""
+    return LAUNCH_CONFIGS.get((n, k, int8), (4, min(triton.next_power_of_2(k), 1024), 4))
+
+
+def product_weights(linear: torch.nn.Linear) -> tuple[Tensor, Optional[Tensor]]:
+    """A projection's weight as the kernels read it: bf16 [N, K], or (torchao's weight-only
+    INT8) its int8 data [N, K] and its scale per row [N] in float32."""
+    w = linear.weight
+    if type(w) in (torch.nn.Parameter, Tensor):
+        return w.detach(), None
+    return w.qdata, w.scale.reshape(-1).float().contiguous()
+
+
+def readable(linear: torch.nn.Linear) -> bool:
+    """The kernels can read this projection: no bias; bf16, or torchao's INT8 with a scale per row."""
+    w = linear.weight
+    if linear.bias is not None:
+        return False
+    if type(w) in (torch.nn.Parameter, Tensor):
+        return True
+    data, scale = getattr(w, "qdata", None), getattr(w, "scale", None)
+    return (data is not None and scale is not None and data.dtype == torch.int8 and data.shape == w.shape
+            and scale.numel() == w.shape[0])
+
+
+@torch.library.custom_op("fish_sm::row_product", mutates_args=())
+def row_product(x: Tensor, w: Tensor, scale: Optional[Tensor], norm: Optional[Tensor], res: Optional[Tensor],
+                prologue: int, eps: float) -> Tensor:
+    """x [..., K] (one row; [..., 2K] for SwiGLU: gate then up) times w [N, K]ᵀ, times `scale`
+    [N] if int8: [..., N]. `prologue` NORM: RMSNorm(x) * `norm` first; SWIGLU: silu(gate) * up
+    first. Plus `res` [..., N] if given."""
+    if usable(x):
+        return _launch(x, w, scale, norm, res, prologue, eps)
+    return reference(x, w, scale, norm, res, prologue, eps)
+
+
+@row_product.register_fake
+def _(x, w, scale, norm, res, prologue, eps):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def reference(x: Tensor, w: Tensor, scale: Optional[Tensor], norm: Optional[Tensor], res: Optional[Tensor],
+              prologue: int, eps: float) -> Tensor:
+    """The kernel's arithmetic in torch: the model's for the same weights (RMSNorm's statistics
+    in float32, products rounded to the activations' dtype)."""
+    if prologue == NORM:
+        xf = x.float()
+        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * norm
+    elif prologue == SWIGLU:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if scale is None:
+        y = F.linear(x, w)
+    else:
+        y = (F.linear(x.float(), w.float()) * scale).to(x.dtype)
+    return y if res is None else res + y
+
+
+def _launch(x, w, scale, norm, res, prologue, eps):
+    n, k = w.shape
+    flat = x.reshape(-1)
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = launch_config(n, k, scale is not None)
+    pdl = dependent_launch(x.device)
+    options = {"launch_pdl": True} if pdl else {}
+    _product[(triton.cdiv(n, block_n),)](
+        flat, norm if norm is not None else flat, w, scale if scale is not None else flat,
+        res.reshape(-1) if res is not None else flat, out, n, eps,
+        K=k, PROLOGUE=prologue, SCALED=scale is not None, RESIDUAL=res is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
+    return out.view(*x.shape[:-1], n)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _activation(x_ptr, norm_ptr, ks, live, inv, K: tl.constexpr, PROLOGUE: tl.constexpr):
+        """A block of the product's input, in float32, rounded as the model rounds it."""
+        if PROLOGUE == 1:  # RMSNorm: normalised, rounded, times the norm's weight, rounded
+            a = (tl.load(x_ptr + ks, mask=live, other=0.0).to(tl.float32) * inv).to(tl.bfloat16)
+            a = (a.to(tl.float32) * tl.load(norm_ptr + ks, mask=live, other=0.0).to(tl.float32)).to(tl.bfloat16)
+        elif PROLOGUE == 2:  # SwiGLU: silu(gate) rounded, times up, rounded
+            g = tl.load(x_ptr + ks, mask=live, other=0.0).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(tl.bfloat16)
+            a = (a.to(tl.float32) * tl.load(x_ptr + K + ks, mask=live, other=0.0).to(tl.float32)).to(tl.bfloat16)
+        else:
+            a = tl.load(x_ptr + ks, mask=live, other=0.0)
+        return a.to(tl.float32)
+
+    @triton.jit
+    def _product(x_ptr, norm_ptr, w_ptr, scale_ptr, res_ptr, out_ptr, N, eps,
+                 K: tl.constexpr, PROLOGUE: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """BLOCK_N output rows: out[n] = sum_k a[k] w[n, k] (* scale[n]) (+ res[n])."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_live = rows < N
+        first = tl.arange(0, BLOCK_K)
+        # Weights first: nothing before this kernel writes them, so they load while it drains.
+        w = tl.load(w_ptr + rows[:, None] * K + first[None, :], mask=rows_live[:, None] & (first < K)[None, :],
+                    other=0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # the kernel before has finished and its writes are visible
+            tl.extra.cuda.gdc_launch_dependents()
+        inv = 0.0
+        if PROLOGUE == 1:
+            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                ks = k0 + first
+                v = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+                sq += v * v
+            inv = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            ks = k0 + first
+            live = ks < K
+            if k0 > 0:
+                w = tl.load(w_ptr + rows[:, None] * K + ks[None, :], mask=rows_live[:, None] & live[None, :], other=0)
+            a = _activation(x_ptr, norm_ptr, ks, live, inv, K, PROLOGUE)
+            acc += w.to(tl.float32) * a[None, :]
+        y = tl.sum(acc, 1)
+        if SCALED:
+            y = y * tl.load(scale_ptr + rows, mask=rows_live, other=0.0)
+        y = y.to(tl.bfloat16)
+        if RESIDUAL:
+            y = (y.to(tl.float32) + tl.load(res_ptr + rows, mask=rows_live, other=0.0).to(tl.float32)).to(tl.bfloat16)
+        tl.store(out_ptr + rows, y, mask=rows_live)
