@@ -6,13 +6,14 @@ process. Not part of the package.
         grid, weights rotating through 16 copies as a frame reads them from memory: the best
         configs against `launch_config`'s ($OUT/row_products_sweep.json)
     python docs/experiments/row_products_ab.py CHECKPOINT_DIR frames bf16:inductor,bf16:rows,int8:inductor,int8:rows [ROUNDS]
-        whole engines: decode speed in turns, the kernel profile and graph replay at 1,100
+        whole engines (also `rows_torch_pickers`, `rows_residual_kernels`: see `frames`): decode speed in turns, the kernel profile and graph replay at 1,100
         slots, the compiled-against-eager check ($OUT/row_products_frames.json)
 """
 import json, os, statistics, sys, time
 
 import torch
 
+from fish_sm.engine import generate, sampling_kernels
 from fish_sm.model import dual_ar, row_products
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -85,10 +86,15 @@ def frames(checkpoint: str, variants: list[str], rounds: int) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}, "rounds": []}
     save = lambda: json.dump(out, open(os.path.join(OUT, "row_products_frames.json"), "w"), indent=1)
     auto = dual_ar.DualARTransformer.uses_row_products
+    kernels_usable, head_kernels = sampling_kernels.usable, generate.pick_head_kernels
     engines = {}
     for variant in variants:
         mode, products = variant.split(":")
-        dual_ar.DualARTransformer.uses_row_products = auto if products == "rows" else (lambda self: False)
+        dual_ar.DualARTransformer.uses_row_products = auto if products.startswith("rows") else (lambda self: False)
+        # rows_torch_pickers: the products' kernels with inductor's sampling; rows_residual_kernels:
+        # with the sampling kernels for the residual codes only
+        sampling_kernels.usable = (lambda device: False) if products == "rows_torch_pickers" else kernels_usable
+        generate.pick_head_kernels = None if products == "rows_residual_kernels" else head_kernels
         try:
             engine = Engine.from_pretrained(checkpoint, device="cuda")
             if mode == "int8":
@@ -104,6 +110,7 @@ def frames(checkpoint: str, variants: list[str], rounds: int) -> dict:
             import traceback
             info = {"error": traceback.format_exc()[-3000:]}
         dual_ar.DualARTransformer.uses_row_products = auto
+        sampling_kernels.usable, generate.pick_head_kernels = kernels_usable, head_kernels
         out["variants"][variant] = info
         print(variant, json.dumps({k: v for k, v in info.items() if k != "profile"}),
               json.dumps({k: v for k, v in info.get("profile", {}).items() if k != "top"}), flush=True)

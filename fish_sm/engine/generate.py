@@ -23,7 +23,7 @@ from torch import Tensor
 from fish_sm.errors import InputError
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE
 from fish_sm.model.dual_ar import DualARTransformer, compile_decode
-from fish_sm.engine import residual_sampling
+from fish_sm.engine import sampling_kernels
 from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices, logits_to_probs
 
 
@@ -54,22 +54,33 @@ def pick_residual(model: DualARTransformer, hidden: Tensor, noise: Tensor, tempe
     return pick(model.fast_logits(hidden), noise, temperature, top_p, penalty, previous, sort_free)
 
 
+def pick_head_kernels(model: DualARTransformer, logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor,
+                      penalty: Tensor, window: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The slow head's pick for one row as kernels of our own (`sampling_kernels`): its token,
+    its code and the code's embedding (the fast transformer's first input)."""
+    return sampling_kernels.sample_head(logits, noise, temperature, top_p, penalty,
+                                        None if window is None else window[:, :, 0], model.semantic_begin_id,
+                                        model.im_end_id, model.fast_embeddings.weight)
+
+
 def pick_residual_kernels(model: DualARTransformer, hidden: Tensor, noise: Tensor, temperature: Tensor,
                           top_p: Tensor, penalty: Tensor, previous: Tensor | None,
                           next_input: bool) -> tuple[Tensor, Tensor | None]:
-    """`pick_residual` for one row as kernels of our own (`residual_sampling`), with the next
+    """`pick_residual` for one row as kernels of our own (`sampling_kernels`), with the next
     fast step's input (the code's embedding)."""
-    return residual_sampling.sample_residual(model.fast_logits(hidden), noise, temperature, top_p, penalty, previous,
+    return sampling_kernels.sample_residual(model.fast_logits(hidden), noise, temperature, top_p, penalty, previous,
                                              model.fast_embeddings.weight, next_input)
 
 
 class Pickers(NamedTuple):
     """The functions `sample_frame` picks codes with: these, eager, or their compiled
     versions (the graphs': head, nucleus, softmax and draw in a few fused kernels).
-    `residual_with_input`: instead of `residual`, a picker that also returns the code's
-    embedding (`pick_residual_kernels`)."""
+    `head_with_input`, `residual_with_input`: instead of `head` and `residual`, pickers that
+    also return the code's embedding, the head's with its token and code
+    (`pick_head_kernels`, `pick_residual_kernels`)."""
     head: Callable[..., Tensor] = pick
     residual: Callable[..., Tensor] = pick_residual
+    head_with_input: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
     residual_with_input: Callable[..., tuple[Tensor, Tensor | None]] | None = None
 
 
@@ -83,14 +94,18 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
     """
     c = model.config
     n_head = c.semantic_vocab + 1
-    head_prev = None if window is None else head_penalty_indices(window[:, :, 0], model.semantic_begin_id, c.semantic_vocab, model.im_end_id)
-    row = pickers.head(logits, noise[:, :n_head], temperature, top_p, penalty, head_prev)
-    is_end = row == c.semantic_vocab
-    token = torch.where(is_end, model.im_end_id, row + model.semantic_begin_id)
-    code = torch.where(is_end, 0, row)
+    if pickers.head_with_input is not None:
+        token, code, x = pickers.head_with_input(model, logits, noise[:, :n_head], temperature, top_p, penalty, window)
+    else:
+        head_prev = None if window is None else head_penalty_indices(window[:, :, 0], model.semantic_begin_id,
+                                                                      c.semantic_vocab, model.im_end_id)
+        row = pickers.head(logits, noise[:, :n_head], temperature, top_p, penalty, head_prev)
+        is_end = row == c.semantic_vocab
+        token = torch.where(is_end, model.im_end_id, row + model.semantic_begin_id)
+        code = torch.where(is_end, 0, row)
+        x = model.fast_embeddings(code)
     codes = [code]
     model.forward_fast(hidden, 0)  # fills position 0 of the fast cache; its logits are unused
-    x = model.fast_embeddings(code)
     for i in range(1, c.num_codebooks):
         h = model.forward_fast(x, i)
         start = n_head + (i - 1) * RESIDUAL_CODEBOOK_SIZE
@@ -196,10 +211,11 @@ class GraphedStep:
         self.pickers_one = Pickers(*(compile_decode(functools.partial(f, sort_free=True), one_row=True, tune=tune,
                                                     int8=model.quantized and not model.row_steps)
                                      for f, tune in ((pick, PICKERS_TUNED["head"]), (pick_residual, PICKERS_TUNED["residual"]))))
-        # On `row_products`, the residual codes' sampling and the next step's lookup as kernels of
-        # their own: two a fast step instead of six.
-        if model.row_steps and residual_sampling.usable(torch.empty(1, RESIDUAL_CODEBOOK_SIZE, device=dev)):
-            self.pickers_one = self.pickers_one._replace(residual_with_input=pick_residual_kernels)
+        # On `row_products`, each pick and the next fast step's lookup as kernels of their own:
+        # two a pick, instead of six a residual code and about twenty for the slow head.
+        if model.row_steps and sampling_kernels.usable(dev):
+            self.pickers_one = self.pickers_one._replace(head_with_input=pick_head_kernels,
+                                                         residual_with_input=pick_residual_kernels)
         self.pickers_many = Pickers(*(compile_decode(f, one_row=False) for f in (pick, pick_residual)))
         # Inference tensors, like everything a replay computes: a compiled function sees one
         # kind of tensor from every caller (a buffer made outside inference mode would make

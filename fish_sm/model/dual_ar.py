@@ -369,6 +369,7 @@ class DualARTransformer(nn.Module):
             block.compiled = compiled
         if rows:
             self._attach_head_weights()
+            self._step_inputs = compile_decode(DualARTransformer.step_inputs, True)
         self.row_steps = rows
         if dynamic_batch:
             prefill = (torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=True),
@@ -405,6 +406,10 @@ class DualARTransformer(nn.Module):
             x = torch.where(is_semantic[..., None], x / math.sqrt(c.num_codebooks + 1), x)
         return x
 
+    def step_inputs(self, tokens: Tensor, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """The slow transformer's input embeddings and RoPE rows."""
+        return self.embed(tokens), self.rope[input_pos]
+
     def forward_slow(self, tokens: Tensor, input_pos: Tensor, live: int, key_pos: Tensor | None = None,
                      row: int | Tensor = 0, last: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Run the slow transformer over `tokens` [B, 1 + C, S] at `input_pos` — a contiguous
@@ -429,8 +434,10 @@ class DualARTransformer(nn.Module):
             # As the additive bias attention turns a boolean mask into: once, not once a layer.
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(
                 ~mask, float("-inf"))
-        x = self.embed(tokens)
-        rope = self.rope[input_pos]
+        if mask is None and key_pos is not None:  # a step on `_decode_row`: its inputs in one compiled kernel
+            x, rope = self._step_inputs(self, tokens, input_pos)
+        else:
+            x, rope = self.step_inputs(tokens, input_pos)
         for layer in self.layers:
             x = layer(x, rope, input_pos, live, mask, row)
         x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]

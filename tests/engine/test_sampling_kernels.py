@@ -1,0 +1,112 @@
+"""The sampling kernels (`fish_sm.engine.sampling_kernels`): on a GPU against the torch
+sampling they replace; on the CPU, `sample_frame`'s path for pickers that also return the
+next fast step's input."""
+import pytest
+import torch
+
+from fish_sm.engine import Engine, sampling_kernels
+from fish_sm.engine.generate import Pickers, noise_size, pick, pick_residual, sample_frame
+from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and sampling_kernels.triton is not None),
+                               reason="needs CUDA and Triton")
+
+
+def test_pickers_with_the_next_input_sample_the_same_frame(tiny_checkpoint):
+    model = Engine.from_pretrained(tiny_checkpoint, device="cpu").model
+    model.setup_caches(1, 32)
+    c = model.config
+    calls = []
+
+    def head_with_input(model, logits, noise, temperature, top_p, penalty, window):
+        prev = head_penalty_indices(window[:, :, 0], model.semantic_begin_id, c.semantic_vocab, model.im_end_id)
+        row = pick(logits, noise, temperature, top_p, penalty, prev)
+        is_end = row == c.semantic_vocab
+        code = torch.where(is_end, 0, row)
+        return torch.where(is_end, model.im_end_id, row + model.semantic_begin_id), code, model.fast_embeddings(code)
+
+    def residual_with_input(model, hidden, noise, temperature, top_p, penalty, previous, next_input):
+        calls.append(next_input)
+        code = pick_residual(model, hidden, noise, temperature, top_p, penalty, previous, sort_free=True)
+        return code, (model.fast_embeddings(code) if next_input else None)
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, c.semantic_vocab + 1, generator=g)
+    hidden = torch.randn(1, c.fast_dim, generator=g)
+    window = torch.randint(0, 100, (1, 1 + c.num_codebooks, PENALTY_WINDOW), generator=g)
+    noise = torch.empty(1, noise_size(model)).exponential_(1, generator=g)
+    t, p, r = (x.view(1, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+    plain = Pickers(residual=lambda *a: pick_residual(*a, sort_free=True))
+    with torch.inference_mode():
+        want = sample_frame(model, logits, hidden, window, noise, t, p, r, plain)
+        got = sample_frame(model, logits, hidden, window, noise, t, p, r,
+                           plain._replace(head_with_input=head_with_input, residual_with_input=residual_with_input))
+    assert torch.equal(want, got)
+    assert calls == [True] * (c.num_codebooks - 2) + [False]  # no lookup after the last code
+
+
+@needs_gpu
+def test_kernels_sample_what_the_torch_sampling_samples():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(4096, 1024, generator=g).to("cuda", torch.bfloat16)
+    trials, agree = 300, 0
+    for i in range(trials):
+        scale = 0.5 + 3 * torch.rand(1, generator=g).item()
+        logits = (torch.randn(1, 1024, generator=g) * scale).to("cuda", torch.bfloat16)
+        noise = torch.empty(1, 1024).exponential_(1, generator=g).cuda()
+        params = SamplingParams(temperature=0.1 + 0.9 * torch.rand(1, generator=g).item(),
+                                top_p=0.1 + 0.9 * torch.rand(1, generator=g).item(),
+                                repetition_penalty=0.9 + 1.1 * torch.rand(1, generator=g).item())
+        t, p, r = (x.view(1, 1) for x in params.tensors("cuda"))
+        previous = torch.randint(0, 1024, (1, PENALTY_WINDOW), generator=g).cuda() if i % 2 else None
+        want = pick(logits, noise, t, p, r, previous, sort_free=True)
+        code, row = sampling_kernels.sample_residual(logits, noise, t, p, r, previous, table)
+        agree += int(code.item() == want.item())
+        assert torch.equal(row[0], table[code.item()])
+    # sums in another order: a code on the nucleus' boundary may differ, rarely
+    assert agree >= 0.98 * trials
+
+
+@needs_gpu
+def test_kernels_replay_in_a_cuda_graph():
+    logits = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    noise = torch.empty(1, 1024, device="cuda").exponential_(1)
+    table = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    t, p, r = (x.view(1, 1) for x in SamplingParams().tensors("cuda"))
+    want, _ = sampling_kernels.sample_residual(logits, noise, t, p, r, None, table)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        code, row = sampling_kernels.sample_residual(logits, noise, t, p, r, None, table)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(code, want) and torch.equal(row[0], table[want.item()])
+
+
+@needs_gpu
+def test_head_kernels_pick_what_the_torch_sampling_picks():
+    g = torch.Generator().manual_seed(1)
+    begin, im_end, n_semantic = 1000, 900, 4096
+    table = torch.randn(4096, 1024, generator=g).to("cuda", torch.bfloat16)
+    trials, agree = 200, 0
+    for i in range(trials):
+        logits = (torch.randn(1, n_semantic + 1, generator=g) * (0.5 + 3 * torch.rand(1, generator=g).item()))
+        if i % 10 == 0:
+            logits[0, -1] = 30.0  # <|im_end|>
+        logits = logits.to("cuda", torch.bfloat16)
+        noise = torch.empty(1, n_semantic + 1).exponential_(1, generator=g).cuda()
+        t, p, r = (x.view(1, 1) for x in SamplingParams(top_p=0.1 + 0.9 * torch.rand(1, generator=g).item(),
+                                                         repetition_penalty=1.5).tensors("cuda"))
+        first = torch.randint(begin - 50, begin + n_semantic + 50, (1, 11), generator=g)
+        first[0, 0] = im_end if i % 3 == 0 else first[0, 0]
+        window = torch.zeros(1, 11, PENALTY_WINDOW, dtype=torch.long)
+        window[:, :, 0] = first
+        window = window.cuda() if i % 2 else None
+        prev = None if window is None else head_penalty_indices(window[:, :, 0], begin, n_semantic, im_end)
+        row = pick(logits, noise, t, p, r, prev)
+        token, code, x = sampling_kernels.sample_head(logits, noise, t, p, r, None if window is None else window[:, :, 0],
+                                                      begin, im_end, table)
+        want_code = 0 if row.item() == n_semantic else row.item()
+        want_token = im_end if row.item() == n_semantic else row.item() + begin
+        agree += int(token.item() == want_token and code.item() == want_code)
+        assert torch.equal(x[0], table[code.item()])
+    assert agree >= 0.98 * trials
