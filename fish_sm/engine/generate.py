@@ -105,7 +105,7 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
         code = torch.where(is_end, 0, row)
         x = model.fast_embeddings(code)
     codes = [code]
-    model.forward_fast(hidden, 0)  # fills position 0 of the fast cache; its logits are unused
+    model.forward_fast(hidden, 0, cache_only=True)  # fills position 0 of the fast cache; its logits are unused
     for i in range(1, c.num_codebooks):
         h = model.forward_fast(x, i)
         start = n_head + (i - 1) * RESIDUAL_CODEBOOK_SIZE

@@ -201,12 +201,13 @@ class TransformerBlock(nn.Module):
             self.register_buffer(f"rows_{key}", w, persistent=False)
             self.register_buffer(f"rows_{key}_scale", scale, persistent=False)
 
-    def _decode_row(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
+    def _decode_row(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None,
+                    cache_only: bool = False) -> Tensor:
         """A decode step of one row (cache row 0) as five kernels of our own, each with the work
         around it fused: norm and wqkv; QK-norm, RoPE, the cache write and attention over the
         row's live slots (plus a kernel combining its pieces over long caches); wo and the
-        residual; norm and w13; SwiGLU, w2 and the residual. Where the kernels cannot run,
-        the same arithmetic in torch."""
+        residual; norm and w13; SwiGLU, w2 and the residual (not with `cache_only`). Where the
+        kernels cannot run, the same arithmetic in torch."""
         a, norm = self.attention, self.attention_norm
         qkv = row_products.row_product(x, self.rows_wqkv, self.rows_wqkv_scale, norm.weight, None,
                                        row_products.NORM, norm.eps)
@@ -220,6 +221,8 @@ class TransformerBlock(nn.Module):
         else:
             q, k_new, v_new = a.heads(qkv, rope)
             y = a.attend(q, k_new, v_new, input_pos, live, mask)
+        if cache_only:  # the caller needs only the cache's new entries
+            return x
         return self._post_attention_rows(x, y)
 
     def _post_attention_rows(self, x: Tensor, y: Tensor) -> Tensor:
@@ -443,13 +446,18 @@ class DualARTransformer(nn.Module):
         x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
         return self.head_logits(x), self.fast_project_in(x)
 
-    def forward_fast(self, x: Tensor, pos: int) -> Tensor:
-        """One step of the fast transformer at codebook position `pos`; x [B, fast_dim] -> hidden [B, fast_dim]."""
+    def forward_fast(self, x: Tensor, pos: int, cache_only: bool = False) -> Tensor:
+        """One step of the fast transformer at codebook position `pos`; x [B, fast_dim] -> hidden [B, fast_dim].
+        `cache_only`: only the cache's entries matter (position 0, from the slow hidden state):
+        on `_decode_row`, the last layer stops once its k/v are written (three products fewer)."""
         input_pos = self.positions[pos : pos + 1]  # a slice, not a new tensor: no host copy inside a CUDA graph
         x = x[:, None]
         rope = self.fast_rope[pos : pos + 1]
-        for layer in self.fast_layers:
+        cache_only = cache_only and self.row_steps and x.shape[0] == 1
+        for layer in self.fast_layers[:-1] if cache_only else self.fast_layers:
             x = layer(x, rope, input_pos, pos + 1)
+        if cache_only:
+            self.fast_layers[-1]._decode_row(x, rope, input_pos, pos + 1, None, cache_only=True)
         return x[:, 0]
 
     def fast_logits(self, hidden: Tensor) -> Tensor:
