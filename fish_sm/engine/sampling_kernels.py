@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fish_sm.model.launch import dependent_launch
+
 try:
     import triton
     import triton.language as tl
@@ -34,16 +36,11 @@ def usable(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def _launch(device: torch.device) -> tuple[bool, dict]:
-    pdl = torch.cuda.get_device_capability(device)[0] >= 9
-    return pdl, ({"launch_pdl": True} if pdl else {})
-
-
 def _tempered(logits: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor, previous: Tensor | None,
               head_ids: tuple[int, int, int] | None) -> Tensor:
     v = logits.shape[-1]
     width = triton.next_power_of_2(v)
-    pdl, launch = _launch(logits.device)
+    pdl, launch = dependent_launch(logits.device)
     out = torch.empty(width, dtype=torch.float32, device=logits.device)
     n_prev = previous.shape[-1] if previous is not None else 0
     begin, n_semantic, im_end = head_ids if head_ids is not None else (0, 0, 0)
@@ -64,7 +61,7 @@ def sample_residual(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: T
     tempered = _tempered(logits, temperature, top_p, penalty, previous, None)
     code = torch.empty(1, dtype=torch.long, device=logits.device)
     row = torch.empty(1, table.shape[-1], dtype=table.dtype, device=logits.device) if next_input else code
-    pdl, launch = _launch(logits.device)
+    pdl, launch = dependent_launch(logits.device)
     _draw[(1,)](tempered, logits.shape[-1], noise, code, code, 0, 0, table, row, WIDTH=tempered.numel(),
                 DIM=table.shape[-1], HEAD=False, NEXT=next_input, PDL=pdl, num_warps=4, **launch)
     return code, (row if next_input else None)
@@ -81,7 +78,7 @@ def sample_head(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tenso
     tempered = _tempered(logits, temperature, top_p, penalty, first_frame, (semantic_begin_id, n_semantic, im_end_id))
     token, code = (torch.empty(1, dtype=torch.long, device=logits.device) for _ in range(2))
     row = torch.empty(1, table.shape[-1], dtype=table.dtype, device=logits.device)
-    pdl, launch = _launch(logits.device)
+    pdl, launch = dependent_launch(logits.device)
     _draw[(1,)](tempered, logits.shape[-1], noise, token, code, semantic_begin_id, im_end_id, table, row,
                 WIDTH=tempered.numel(), DIM=table.shape[-1], HEAD=True, NEXT=True, PDL=pdl, num_warps=8, **launch)
     return token, code, row

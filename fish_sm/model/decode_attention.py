@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fish_sm.model.launch import dependent_launch
+
 try:
     import triton
     import triton.language as tl
@@ -34,12 +36,6 @@ def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return (triton is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and torch.cuda.get_device_capability(q.device)[0] >= 8 and q.shape[-1] >= 16
             and q.shape[-1] & (q.shape[-1] - 1) == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Programmatic dependent launch (Hopper and later): a kernel starts while the one before
-    drains and waits inside before reading what that one wrote."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def attend_new_token(qkv: Tensor, n_head: int, n_kv: int, q_norm: Tensor | None, k_norm: Tensor | None,
@@ -63,8 +59,7 @@ def attend_new_token(qkv: Tensor, n_head: int, n_kv: int, q_norm: Tensor | None,
     if splits > 1:
         m = torch.empty(1, n_head, splits, dtype=torch.float32, device=qkv.device)
         pieces = m, torch.empty_like(m), torch.empty(1, n_head, splits, head_dim, dtype=torch.float32, device=qkv.device)
-    pdl = dependent_launch(qkv.device)
-    launch = {"launch_pdl": True} if pdl else {}
+    pdl, launch = dependent_launch(qkv.device)
     norms = (q_norm, k_norm) if q_norm is not None else (rope, rope)
     _attend_new_token[(n_kv, splits)](qkv, *norms, rope, k_cache, v_cache, input_pos, out, *pieces, chunk,
                                       head_dim ** -0.5, eps, *k_cache.stride()[1:3], *v_cache.stride()[1:3], n_head,
@@ -97,8 +92,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tens
     out = torch.empty(bsz, 1, n_head * head_dim, dtype=q.dtype, device=q.device)
     pos = input_pos.reshape(-1)
     group = n_head // n_kv
-    pdl = bsz == 1 and dependent_launch(q.device)  # one row, as the compiled steps (dual_ar.ONE_ROW_OPTIONS)
-    launch = {"launch_pdl": True} if pdl else {}
+    pdl, launch = dependent_launch(q.device) if bsz == 1 else (False, {})  # one row, as dual_ar.ONE_ROW_OPTIONS
     common = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s,
                   SPLITS=splits, PDL=pdl, num_warps=warps, **launch)
     pieces = out, out, out  # one piece: the program writes the output itself

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fish_sm.model.launch import dependent_launch
+
 try:
     import triton
     import triton.language as tl
@@ -36,11 +38,6 @@ def usable(x: Tensor) -> bool:
     """The kernels can run on this activation's device and dtype."""
     return (triton is not None and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper and later."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 # Launch configs (rows per program, inputs per block, warps) for S1-mini's products, by
@@ -119,8 +116,7 @@ def _launch(x, w, scale, norm, res, prologue, eps):
     flat = x.reshape(-1)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = launch_config(n, k, scale is not None)
-    pdl = dependent_launch(x.device)
-    options = {"launch_pdl": True} if pdl else {}
+    pdl, options = dependent_launch(x.device)
     _product[(triton.cdiv(n, block_n),)](
         flat, norm if norm is not None else flat, w, scale if scale is not None else flat,
         res.reshape(-1) if res is not None else flat, out, n, eps,
