@@ -9,6 +9,10 @@ Here one kernel reads each sequence's live slots in parallel pieces and a second
 the pieces' softmax sums: 6.2 us against cuDNN's 8.1 at one row over 1,280 slots, 8.1 against
 10.5 over 4,096, 21.9 against 27.1 for 32 rows of different lengths in a 512-slot bucket
 (H100, ninth pass). CUDA with Triton only; elsewhere SDPA does the same sum.
+
+For one sequence on `row_products` (`TransformerBlock._decode_row`), `attend_new_token` also
+does what comes before attention (QK-norm, RoPE, the cache write) from the projection, where
+the model's torch takes three kernels (tenth pass).
 """
 
 from __future__ import annotations
