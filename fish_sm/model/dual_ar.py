@@ -194,12 +194,8 @@ class TransformerBlock(nn.Module):
         return all(row_products.readable(getattr(getattr(self, part), name)) for part, name in self.PRODUCTS.values())
 
     def attach_row_weights(self) -> None:
-        """The products' weights as buffers (views of the projections' own): compiled code takes
-        a module's buffers as inputs, so one graph serves every layer of a shape."""
         for key, (part, name) in self.PRODUCTS.items():
-            w, scale = row_products.product_weights(getattr(getattr(self, part), name))
-            self.register_buffer(f"rows_{key}", w, persistent=False)
-            self.register_buffer(f"rows_{key}_scale", scale, persistent=False)
+            row_products.attach(self, key, getattr(getattr(self, part), name))
 
     def _decode_row(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None,
                     cache_only: bool = False) -> Tensor:
@@ -334,12 +330,6 @@ class DualARTransformer(nn.Module):
 
     row_steps = False  # decode steps of one row on `row_products` kernels (set by compile_layers)
 
-    def _attach_head_weights(self) -> None:
-        for key, linear in (("head", self.head), ("fast_head", self.fast_output)):
-            w, scale = row_products.product_weights(linear)
-            self.register_buffer(f"rows_{key}", w, persistent=False)
-            self.register_buffer(f"rows_{key}_scale", scale, persistent=False)
-
     def head_logits(self, x: Tensor) -> Tensor:
         """The slow head's logits of x [B, dim]: its norm and product (one kernel for one row of
         a model on `row_products`)."""
@@ -371,7 +361,8 @@ class DualARTransformer(nn.Module):
                 block.attach_row_weights()
             block.compiled = compiled
         if rows:
-            self._attach_head_weights()
+            row_products.attach(self, "head", self.head)
+            row_products.attach(self, "fast_head", self.fast_output)
             self._step_inputs = compile_decode(DualARTransformer.step_inputs, True)
         self.row_steps = rows
         if dynamic_batch:

@@ -66,6 +66,15 @@ def product_weights(linear: torch.nn.Linear) -> tuple[Tensor, Optional[Tensor]]:
     return w.qdata, w.scale.reshape(-1).float().contiguous()
 
 
+def attach(module: torch.nn.Module, name: str, linear: torch.nn.Linear) -> None:
+    """`linear`'s weight as the kernels read it, as buffers `rows_<name>` and `rows_<name>_scale`
+    of `module` (views of the weight's own storage): compiled code takes a module's buffers as
+    inputs, so one graph serves every layer of a shape."""
+    w, scale = product_weights(linear)
+    module.register_buffer(f"rows_{name}", w, persistent=False)
+    module.register_buffer(f"rows_{name}_scale", scale, persistent=False)
+
+
 def readable(linear: torch.nn.Linear) -> bool:
     """The kernels can read this projection: no bias; bf16, or torchao's INT8 with a scale per row."""
     w = linear.weight
