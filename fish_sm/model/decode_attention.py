@@ -137,6 +137,17 @@ if triton is not None:
         end = tl.minimum(start + chunk, length)
         k_base = k_ptr + b * k_stride_b + kv * k_stride_h
         v_base = v_ptr + b * v_stride_b + kv * v_stride_h
+        m, total, acc = _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start, end, scale, HEAD_DIM, BLOCK_G,
+                                    BLOCK_S)
+        _write_piece(out_ptr, m_ptr, l_ptr, acc_ptr, b * (GROUP * n_kv) + heads, real, piece, m, total, acc, HEAD_DIM,
+                     SPLITS)
+
+    @triton.jit
+    def _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start, end, scale, HEAD_DIM: tl.constexpr,
+                    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Online softmax of q's rows [BLOCK_G, HEAD_DIM] over cache slots start..end-1: their
+        running max, sum and weighted values."""
+        d = tl.arange(0, HEAD_DIM)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -153,12 +164,19 @@ if triton is not None:
             total = total * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        return m, total, acc
+
+    @triton.jit
+    def _write_piece(out_ptr, m_ptr, l_ptr, acc_ptr, rows, real, piece, m, total, acc, HEAD_DIM: tl.constexpr,
+                     SPLITS: tl.constexpr):
+        """A piece's result for query heads `rows` (sequence * heads + head): the output if it is
+        the only piece, else its max, sum and weighted values for `_combine`."""
+        d = tl.arange(0, HEAD_DIM)
         if SPLITS == 1:
-            y = acc / total[:, None]
-            tl.store(out_ptr + b * (GROUP * n_kv * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
-                     y.to(out_ptr.dtype.element_ty), mask=real[:, None])
+            tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=real[:, None])
         else:
-            row = (b * (GROUP * n_kv) + heads) * SPLITS + piece
+            row = rows * SPLITS + piece
             tl.store(m_ptr + row, m, mask=real)
             tl.store(l_ptr + row, total, mask=real)
             tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
@@ -214,23 +232,9 @@ if triton is not None:
         end = tl.minimum(start + chunk, pos + 1)
         k_base = k_ptr + kv * k_stride_h
         v_base = v_ptr + kv * v_stride_h
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        before = tl.minimum(end, pos)  # the cache's slots; the new position's k/v are not in it yet
-        for s0 in range(start, before, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            live = s < before
-            k = tl.load(k_base + s[:, None] * k_stride_s + d[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(v_base + s[:, None] * v_stride_s + d[None, :], mask=live[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale
-            scores = tl.where(live[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            total = total * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        # the cache's slots up to the new position, whose k/v are not in it yet
+        m, total, acc = _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start, tl.minimum(end, pos), scale,
+                                    HEAD_DIM, BLOCK_G, BLOCK_S)
         if (start <= pos) & (pos < end):  # this piece holds the new position: its k/v into the cache, and its term
             tl.store(k_base + pos * k_stride_s + d[None, :], k_new)
             tl.store(v_base + pos * v_stride_s + d[None, :], v_new)
@@ -241,14 +245,7 @@ if triton is not None:
             total = total * alpha + p
             acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
             m = m_new
-        if SPLITS == 1:
-            tl.store(out_ptr + heads[:, None] * HEAD_DIM + d[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=real[:, None])
-        else:
-            row = heads * SPLITS + piece
-            tl.store(m_ptr + row, m, mask=real)
-            tl.store(l_ptr + row, total, mask=real)
-            tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+        _write_piece(out_ptr, m_ptr, l_ptr, acc_ptr, heads, real, piece, m, total, acc, HEAD_DIM, SPLITS)
 
     @triton.jit
     def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
