@@ -10,16 +10,16 @@
     python docs/experiments/decode_attention_ab.py CHECKPOINT_DIR batching [ROUNDS] [STREAMS=1,32,64]
         # the batching engine (KV 2,048), streamed requests of 200 frames; writes $OUT/decode_attention_batching.json
 """
-import json, os, statistics, sys, time
+import json, os, sys, time
 
 import torch
 import torch.nn.functional as F
 
-from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager, measure, profile_decode
+from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager, profile_decode
 from fish_sm.engine.engine import Engine, freeze_start_up_objects
 from fish_sm.engine.prompt import build_prompt
 from fish_sm.model import decode_attention
-from experiment_tools import graphed_us, levels_in_turns
+from experiment_tools import decode_in_turns, graphed_us, levels_in_turns
 
 checkpoint, what = sys.argv[1], sys.argv[2]
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
@@ -85,14 +85,7 @@ elif what == "sequential":
                                                                         if k != "top"}), flush=True)
         save()
     variant("kernel")
-    for round_ in range(rounds):
-        for name, engine in engines.items():
-            m = measure(engine, 400, 2, 1000)
-            out["rounds"].append({"variant": name, "round": round_, **m})
-            print(name, round_, round(m["decode_frames_per_s"], 1), flush=True)
-            save()
-    out["decode_frames_per_s_median"] = {v: statistics.median(r["decode_frames_per_s"] for r in out["rounds"]
-                                                               if r["variant"] == v) for v in engines}
+    decode_in_turns(engines, rounds, out, save)
     alone = {}
     for shape in SHAPES:
         alone["{}x{}{} d{}".format(shape[0], shape[4], " per-row" if shape[5] else "", shape[3])] = attention_alone(*shape, [None])

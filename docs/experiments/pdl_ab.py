@@ -10,16 +10,17 @@ As shipped, the one-row steps use it in bf16 and not with INT8 weights
 
     python docs/experiments/pdl_ab.py CHECKPOINT_DIR bf16:off,bf16:on,int8:off,int8:on [ROUNDS]   # $OUT/pdl_ab.json
 """
-import json, os, statistics, sys, time
+import json, os, sys, time
 
 import torch
 import torch._inductor.config as inductor_config
 
 from fish_sm.model import dual_ar
 
-from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager, measure, profile_decode
+from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager, profile_decode
 from fish_sm.engine.engine import Engine
 from fish_sm.engine.prompt import build_prompt
+from experiment_tools import decode_in_turns
 
 out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
        "has_enable_pdl": hasattr(inductor_config.triton, "enable_pdl"), "variants": {}, "rounds": []}
@@ -57,13 +58,6 @@ for variant in sys.argv[2].split(","):
           json.dumps({k: v for k, v in info.get("profile", {}).items() if k != "top"}), flush=True)
     save()
 
-for round_ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 2):
-    for variant, engine in engines.items():
-        m = measure(engine, 400, 2, 1000)
-        out["rounds"].append({"variant": variant, "round": round_, **m})
-        print(variant, round_, round(m["decode_frames_per_s"], 1), json.dumps(m), flush=True)
-        save()
-out["decode_frames_per_s_median"] = {v: statistics.median(r["decode_frames_per_s"] for r in out["rounds"]
-                                                           if r["variant"] == v) for v in engines}
+decode_in_turns(engines, int(sys.argv[3]) if len(sys.argv) > 3 else 2, out, save)
 print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
 save()

@@ -9,7 +9,7 @@ process. Not part of the package.
         whole engines (also `rows_torch_pickers`, `rows_residual_kernels`: see `frames`): decode speed in turns, the kernel profile and graph replay at 1,100
         slots, the compiled-against-eager check ($OUT/row_products_frames.json)
 """
-import json, os, statistics, sys, time
+import json, os, sys, time
 
 import torch
 
@@ -17,7 +17,7 @@ from fish_sm.engine import generate, sampling_kernels
 from fish_sm.model import dual_ar, row_products
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from experiment_tools import graphed_us  # noqa: E402
+from experiment_tools import decode_in_turns, graphed_us  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 # (name, N, K, prologue, residual): a slow layer's four products, then the fast layers' two other shapes
@@ -53,7 +53,7 @@ def sweep() -> dict:
             call = lambda: row_products.row_product(x, *sets[next(turn) % copies], norm, res, prologue, 1e-6)
             times = {}
             for config in grid:
-                if config[1] > triton_next_pow2(k):
+                if config[1] > row_products.triton.next_power_of_2(k):
                     continue
                 row_products.launch_config = lambda *_a, c=config: c
                 try:
@@ -74,12 +74,8 @@ def sweep() -> dict:
     return out
 
 
-def triton_next_pow2(k: int) -> int:
-    return 1 << (k - 1).bit_length()
-
-
 def frames(checkpoint: str, variants: list[str], rounds: int) -> dict:
-    from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager, measure, profile_decode
+    from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager, profile_decode
     from fish_sm.engine.engine import Engine
     from fish_sm.engine.prompt import build_prompt
 
@@ -106,7 +102,7 @@ def frames(checkpoint: str, variants: list[str], rounds: int) -> dict:
             info["compiled_vs_eager"] = compare_compiled_to_eager(engine, prompt)
             info["profile"] = profile_decode(engine, 1, 1100, top=int(os.environ.get("TOP", 12)))
             engines[variant] = engine
-        except Exception as e:  # a variant that does not build: recorded, the others go on
+        except Exception:  # a variant that does not build: recorded, the others go on
             import traceback
             info = {"error": traceback.format_exc()[-3000:]}
         dual_ar.DualARTransformer.uses_row_products = auto
@@ -115,14 +111,7 @@ def frames(checkpoint: str, variants: list[str], rounds: int) -> dict:
         print(variant, json.dumps({k: v for k, v in info.items() if k != "profile"}),
               json.dumps({k: v for k, v in info.get("profile", {}).items() if k != "top"}), flush=True)
         save()
-    for round_ in range(rounds):
-        for variant, engine in engines.items():
-            m = measure(engine, 400, 2, 1000)
-            out["rounds"].append({"variant": variant, "round": round_, **m})
-            print(variant, round_, round(m["decode_frames_per_s"], 1), flush=True)
-            save()
-    out["decode_frames_per_s_median"] = {v: statistics.median(r["decode_frames_per_s"] for r in out["rounds"]
-                                                               if r["variant"] == v) for v in engines}
+    decode_in_turns(engines, rounds, out, save)
     print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
     save()
     return out
