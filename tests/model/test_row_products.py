@@ -29,36 +29,36 @@ def both_steps(model, block, rope, seed=0):
     return out
 
 
+def each_layer_both_ways(model):
+    """(block, its own step's results, `_decode_row`'s) for every slow and fast layer, the
+    kernels' weights attached (each layer must be readable by them)."""
+    model.setup_caches(1, 16)
+    for blocks, rope in ((model.layers, model.rope), (model.fast_layers, model.fast_rope)):
+        for block in blocks:
+            assert block.row_products_readable()
+            block.attach_row_weights()
+            yield (block, *both_steps(model, block, rope))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_step_computes_what_the_layer_computes(tiny_checkpoint, dtype):
     model = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype=dtype).model
-    model.setup_caches(1, 16)
     with torch.inference_mode():
-        for blocks, rope in ((model.layers, model.rope), (model.fast_layers, model.fast_rope)):
-            for block in blocks:
-                assert block.row_products_readable()
-                block.attach_row_weights()
-                assert block.rows_wqkv_scale is None and block.rows_w2.data_ptr() == block.feed_forward.w2.weight.data_ptr()
-                want, got = both_steps(model, block, rope)
-                for a, b in zip(want, got):
-                    assert torch.equal(a, b)
+        for block, want, got in each_layer_both_ways(model):
+            assert block.rows_wqkv_scale is None and block.rows_w2.data_ptr() == block.feed_forward.w2.weight.data_ptr()
+            for a, b in zip(want, got):
+                assert torch.equal(a, b)
 
 
 def test_a_row_step_reads_torchao_int8_data(tiny_checkpoint):
     pytest.importorskip("torchao")
     engine = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="bfloat16")
     engine.quantize_int8()
-    model = engine.model
-    model.setup_caches(1, 16)
     with torch.inference_mode():
-        for blocks, rope in ((model.layers, model.rope), (model.fast_layers, model.fast_rope)):
-            for block in blocks:
-                assert block.row_products_readable()
-                block.attach_row_weights()
-                assert block.rows_wqkv.dtype == torch.int8 and block.rows_wqkv_scale.shape == (block.rows_wqkv.shape[0],)
-                want, got = both_steps(model, block, rope)
-                for a, b in zip(want, got):  # torchao's dequantized bf16 product against int8 times scale in float32
-                    assert (a.float() - b.float()).abs().max() <= 0.03 * a.float().abs().max()
+        for block, want, got in each_layer_both_ways(engine.model):
+            assert block.rows_wqkv.dtype == torch.int8 and block.rows_wqkv_scale.shape == (block.rows_wqkv.shape[0],)
+            for a, b in zip(want, got):  # torchao's dequantized bf16 product against int8 times scale in float32
+                assert (a.float() - b.float()).abs().max() <= 0.03 * a.float().abs().max()
 
 
 def test_a_projection_with_a_bias_is_not_for_the_kernels():
