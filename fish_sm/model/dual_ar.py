@@ -418,9 +418,12 @@ class DualARTransformer(nn.Module):
         of each row (a batch of prompts padded to one length).
         """
         mask = None
-        if (key_pos is not None and self.row_steps and tokens.shape[0] == 1 and tokens.shape[-1] == 1
-                and isinstance(row, int) and row == 0 and row_products.usable(self.norm.weight)):
-            live = key_pos.shape[0]  # a step on `_decode_row`, whose attention masks by position itself
+        # A step on `_decode_row`'s kernels: their attention masks by position itself, and the
+        # step's inputs are one compiled kernel.
+        row_step = (key_pos is not None and self.row_steps and tokens.shape[0] == 1 and tokens.shape[-1] == 1
+                    and isinstance(row, int) and row == 0 and row_products.usable(self.norm.weight))
+        if row_step:
+            live = key_pos.shape[0]
         elif key_pos is not None:
             live = key_pos.shape[0]
             mask = key_pos <= input_pos[..., None]  # [S, live] or [B, S, live]
@@ -428,10 +431,7 @@ class DualARTransformer(nn.Module):
             # As the additive bias attention turns a boolean mask into: once, not once a layer.
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(
                 ~mask, float("-inf"))
-        if mask is None and key_pos is not None:  # a step on `_decode_row`: its inputs in one compiled kernel
-            x, rope = self._step_inputs(self, tokens, input_pos)
-        else:
-            x, rope = self.step_inputs(tokens, input_pos)
+        x, rope = self._step_inputs(self, tokens, input_pos) if row_step else self.step_inputs(tokens, input_pos)
         for layer in self.layers:
             x = layer(x, rope, input_pos, live, mask, row)
         x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
