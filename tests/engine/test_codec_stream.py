@@ -9,6 +9,12 @@ def test_schedule_doubles_up_to_the_largest_piece():
     assert [piece_frames(i, 4, 64) for i in range(7)] == [4, 8, 16, 32, 64, 64, 64]
 
 
+def test_a_last_piece_runs_the_back_over_the_shortest_scheduled_length_that_holds_it(engine):
+    codec = StreamingCodec(engine.codec, first=4, largest=64)
+    assert [codec.back_frames(n) for n in (1, 4, 5, 12, 16, 17, 33, 63, 64)] == [4, 4, 8, 16, 16, 32, 64, 64, 64]
+    assert StreamingCodec(engine.codec, first=4, largest=48).back_frames(40) == 48  # a largest off the doubling
+
+
 def test_pieces_decode_like_the_whole_sequence(engine):
     codes = torch.randint(0, 1024, (1, engine.codec.n_rows, 45), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -82,8 +88,9 @@ def test_fronts_at_one_piece_index_and_backs_of_one_length_run_as_batches(engine
 
 
 def test_last_pieces_shorter_than_scheduled_run_with_the_others(engine, monkeypatch):
-    """Streams ending at different lengths inside one scheduled piece are padded to it and run
-    as one batch (the decoder is causal); each keeps only its own samples, as if whole."""
+    """Streams ending at different lengths inside one scheduled piece: their fronts are padded
+    to it and run as one batch, each back runs over the shortest scheduled length that holds
+    its frames (the decoder is causal); each keeps only its own samples, as if whole."""
     codec = engine.codec
     pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)
     fronts, backs = [], []
@@ -98,7 +105,7 @@ def test_last_pieces_shorter_than_scheduled_run_with_the_others(engine, monkeypa
             for i, audio in enumerate(pieces.push_many([(s, c[..., at : at + n]) for s, c in zip(streams, codes)])):
                 out[i].append(audio)
     assert [shape[0] for shape in fronts] == [3, 3] and fronts[-1][-1] == 4
-    assert [(b, t // pieces.back.steps) for b, t in backs] == [(3, 2), (3, 4)]
+    assert [(b, t // pieces.back.steps) for b, t in backs] == [(3, 2), (1, 2), (2, 4)]  # 1 frame: 2; 3 and 4: 4
     for i, n in enumerate(lengths):
         whole = torch.cat(out[i], dim=-1)
         assert whole.shape[-1] == n * codec.frame_length
