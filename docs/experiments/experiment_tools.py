@@ -24,18 +24,54 @@ def graphed_us(fn, calls=100):
     return (time.perf_counter() - t0) / (5 * calls) * 1e6
 
 
+def compiled_batcher(checkpoint: str, most_streams: int) -> tuple:
+    """A batching engine as the benchmark runs it (KV 2,048, bf16, CUDA) for up to
+    `most_streams`, compiled: (it, the start of an experiment's record)."""
+    from fish_sm.engine import Engine
+    from fish_sm.engine.batching import BatchEngine
+
+    batcher = BatchEngine(Engine.from_pretrained(checkpoint, device="cuda", max_seq_len=2048),
+                          max_batch=most_streams, max_queue=0)
+    t0 = time.perf_counter()
+    batcher.compile()
+    return batcher, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "compile_s": time.perf_counter() - t0}
+
+
+# What a level's short line shows (the JSON files keep everything).
+LEVEL_SUMMARY = ("aggregate_frames_per_s", "per_request_decode_frames_per_s_median", "per_request_realtime_x_min",
+                 "first_audio_ms_p50", "first_audio_ms_p95", "wall_s")
+
+
+def _levels(batcher, streams: list[int], frames: int, tag: dict, summary: tuple | None = None) -> list[dict]:
+    """`batcher` started and warmed up, then `batching_level` at each number of streamed
+    requests; one JSON line per level (all of it, or `tag`, the streams and `summary`)."""
+    levels = []
+    with batcher:
+        batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()
+        for n in streams:
+            level = {**tag, **batching_level(batcher, n, frames, True)}
+            shown = level if summary is None else {k: level[k] for k in (*tag, "streams", *summary) if k in level}
+            print(json.dumps(shown), flush=True)
+            levels.append(level)
+    return levels
+
+
 def levels_in_turns(batchers: dict, streams: list[int], rounds: int, label: str, frames: int = 200) -> list[dict]:
-    """Each named BatchEngine in turn, `rounds` times (so that drift shows): started, warmed
-    up, then `batching_level` at each number of streamed requests; one JSON line per level."""
+    """Each named BatchEngine in turn, `rounds` times (so that drift shows): `_levels`."""
+    return [level for round_ in range(rounds) for name, batcher in batchers.items()
+            for level in _levels(batcher, streams, frames, {label: name, "round": round_})]
+
+
+def settings_in_turns(batcher, settings: dict, streams: list[int], rounds: int, label: str,
+                      frames: int = 200) -> list[dict]:
+    """One BatchEngine under each named setting in turn (`settings[name]()` applies it),
+    `rounds` times: `_levels`, one short line per level."""
     levels = []
     for round_ in range(rounds):
-        for name, batcher in batchers.items():
-            with batcher:
-                batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()
-                for n in streams:
-                    level = {label: name, "round": round_, **batching_level(batcher, n, frames, True)}
-                    print(json.dumps(level), flush=True)
-                    levels.append(level)
+        for name, apply in settings.items():
+            apply()
+            levels += _levels(batcher, streams, frames, {label: name, "round": round_}, LEVEL_SUMMARY)
     return levels
 
 
