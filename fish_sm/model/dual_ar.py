@@ -31,6 +31,16 @@ from fish_sm.model.layers import RMSNorm, apply_rope, rope_table
 from fish_sm.model.weights import read_state_dict, strip_prefix, take
 
 
+def attached_product(owner: nn.Module, name: str, x: Tensor, norm: RMSNorm | None = None, res: Tensor | None = None,
+                     swiglu: bool = False) -> Tensor:
+    """`row_products.row_product` with the weights `row_products.attach` hung on `owner` as
+    `name`: of RMSNorm(x) by `norm` if given, of SwiGLU(x) with `swiglu`, plus `res` if given."""
+    prologue = row_products.NORM if norm is not None else row_products.SWIGLU if swiglu else row_products.PLAIN
+    return row_products.row_product(x, getattr(owner, f"rows_{name}"), getattr(owner, f"rows_{name}_scale"),
+                                    None if norm is None else norm.weight, res, prologue,
+                                    0.0 if norm is None else norm.eps)
+
+
 class KVCache(nn.Module):
     """One row per sequence: row b of the batch being run is row `row + b` of the cache."""
 
@@ -204,9 +214,8 @@ class TransformerBlock(nn.Module):
         row's live slots (plus a kernel combining its pieces over long caches); wo and the
         residual; norm and w13; SwiGLU, w2 and the residual (not with `cache_only`). Where the
         kernels cannot run, the same arithmetic in torch."""
-        a, norm = self.attention, self.attention_norm
-        qkv = row_products.row_product(x, self.rows_wqkv, self.rows_wqkv_scale, norm.weight, None,
-                                       row_products.NORM, norm.eps)
+        a = self.attention
+        qkv = attached_product(self, "wqkv", x, norm=self.attention_norm)
         cache = a.kv_cache
         k, v = cache.read(live, 0, 1)
         if row_products.usable(qkv) and decode_attention.usable(qkv.view(1, -1, 1, a.head_dim), k, v):
@@ -222,10 +231,9 @@ class TransformerBlock(nn.Module):
         return self._post_attention_rows(x, y)
 
     def _post_attention_rows(self, x: Tensor, y: Tensor) -> Tensor:
-        h = row_products.row_product(y, self.rows_wo, self.rows_wo_scale, None, x, row_products.PLAIN, 0.0)
-        gate_up = row_products.row_product(h, self.rows_w13, self.rows_w13_scale, self.ffn_norm.weight, None,
-                                           row_products.NORM, self.ffn_norm.eps)
-        return row_products.row_product(gate_up, self.rows_w2, self.rows_w2_scale, None, h, row_products.SWIGLU, 0.0)
+        h = attached_product(self, "wo", y, res=x)
+        gate_up = attached_product(self, "w13", h, norm=self.ffn_norm)
+        return attached_product(self, "w2", gate_up, res=h, swiglu=True)
 
     compiled: tuple | None = None  # ((pre, post) for one row, (pre, post) for several)
     prefill_compiled: tuple | None = None
@@ -330,12 +338,15 @@ class DualARTransformer(nn.Module):
 
     row_steps = False  # decode steps of one row on `row_products` kernels (set by compile_layers)
 
+    def on_rows(self, batch: int) -> bool:
+        """A decode step of `batch` rows runs on `row_products` kernels (one row, where set)."""
+        return self.row_steps and batch == 1
+
     def head_logits(self, x: Tensor) -> Tensor:
         """The slow head's logits of x [B, dim]: its norm and product (one kernel for one row of
         a model on `row_products`)."""
-        if self.row_steps and x.shape[0] == 1:
-            return row_products.row_product(x, self.rows_head, self.rows_head_scale, self.norm.weight, None,
-                                            row_products.NORM, self.norm.eps)
+        if self.on_rows(x.shape[0]):
+            return attached_product(self, "head", x, norm=self.norm)
         return self.head(self.norm(x))
 
     def compile_layers(self, dynamic_batch: bool = False, rows: bool | None = None) -> None:
@@ -420,7 +431,7 @@ class DualARTransformer(nn.Module):
         mask = None
         # A step on `_decode_row`'s kernels: their attention masks by position itself, and the
         # step's inputs are one compiled kernel.
-        row_step = (key_pos is not None and self.row_steps and tokens.shape[0] == 1 and tokens.shape[-1] == 1
+        row_step = (key_pos is not None and self.on_rows(tokens.shape[0]) and tokens.shape[-1] == 1
                     and isinstance(row, int) and row == 0 and row_products.usable(self.norm.weight))
         if row_step:
             live = key_pos.shape[0]
@@ -444,7 +455,7 @@ class DualARTransformer(nn.Module):
         input_pos = self.positions[pos : pos + 1]  # a slice, not a new tensor: no host copy inside a CUDA graph
         x = x[:, None]
         rope = self.fast_rope[pos : pos + 1]
-        cache_only = cache_only and self.row_steps and x.shape[0] == 1
+        cache_only = cache_only and self.on_rows(x.shape[0])
         for layer in self.fast_layers[:-1] if cache_only else self.fast_layers:
             x = layer(x, rope, input_pos, pos + 1)
         if cache_only:
@@ -453,9 +464,8 @@ class DualARTransformer(nn.Module):
 
     def fast_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the residual codebooks' 1,024 codes (as `head_logits`)."""
-        if self.row_steps and hidden.shape[0] == 1:
-            return row_products.row_product(hidden, self.rows_fast_head, self.rows_fast_head_scale, self.fast_norm.weight,
-                                            None, row_products.NORM, self.fast_norm.eps)
+        if self.on_rows(hidden.shape[0]):
+            return attached_product(self, "fast_head", hidden, norm=self.fast_norm)
         return self.fast_output(self.fast_norm(hidden))
 
 
