@@ -53,18 +53,29 @@ def _tempered(logits: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tenso
     return out
 
 
+def _pick(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
+          previous: Tensor | None, table: Tensor, head_ids: tuple[int, int, int] | None,
+          next_input: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`_nucleus` then `_draw`: (token (the slow head's only), code, the code's row of `table`
+    (with `next_input`))."""
+    tempered = _tempered(logits, temperature, top_p, penalty, previous, head_ids)
+    token, code = (torch.empty(1, dtype=torch.long, device=logits.device) for _ in range(2))
+    row = torch.empty(1, table.shape[-1], dtype=table.dtype, device=logits.device) if next_input else code
+    begin, _, im_end = head_ids if head_ids is not None else (0, 0, 0)
+    pdl, launch = dependent_launch(logits.device)
+    _draw[(1,)](tempered, logits.shape[-1], noise, token, code, begin, im_end, table, row, WIDTH=tempered.numel(),
+                DIM=table.shape[-1], HEAD=head_ids is not None, NEXT=next_input, PDL=pdl,
+                num_warps=8 if head_ids is not None else 4, **launch)
+    return token, code, (row if next_input else None)
+
+
 def sample_residual(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
                     previous: Tensor | None, table: Tensor, next_input: bool = True) -> tuple[Tensor, Tensor | None]:
     """logits [1, V] (the fast head's), noise [1, V] of Exp(1) draws, temperature / top_p /
     penalty [1, 1], previous [1, W] codes to penalise (or None), table [codebook_size, dim]:
     the code [1] and, with `next_input`, its row of `table` [1, dim]."""
-    tempered = _tempered(logits, temperature, top_p, penalty, previous, None)
-    code = torch.empty(1, dtype=torch.long, device=logits.device)
-    row = torch.empty(1, table.shape[-1], dtype=table.dtype, device=logits.device) if next_input else code
-    pdl, launch = dependent_launch(logits.device)
-    _draw[(1,)](tempered, logits.shape[-1], noise, code, code, 0, 0, table, row, WIDTH=tempered.numel(),
-                DIM=table.shape[-1], HEAD=False, NEXT=next_input, PDL=pdl, num_warps=4, **launch)
-    return code, (row if next_input else None)
+    _, code, row = _pick(logits, noise, temperature, top_p, penalty, previous, table, None, next_input)
+    return code, row
 
 
 def sample_head(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
@@ -74,14 +85,8 @@ def sample_head(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tenso
     <|im_end|>), noise [1, same], `first_frame` [1, 1 + C] the ids the penalty counts (the
     window's first frame, read as vocabulary ids as upstream does; None: no penalty).
     Returns the token [1], the code [1] (0 for <|im_end|>) and the code's row of `table`."""
-    n_semantic = logits.shape[-1] - 1
-    tempered = _tempered(logits, temperature, top_p, penalty, first_frame, (semantic_begin_id, n_semantic, im_end_id))
-    token, code = (torch.empty(1, dtype=torch.long, device=logits.device) for _ in range(2))
-    row = torch.empty(1, table.shape[-1], dtype=table.dtype, device=logits.device)
-    pdl, launch = dependent_launch(logits.device)
-    _draw[(1,)](tempered, logits.shape[-1], noise, token, code, semantic_begin_id, im_end_id, table, row,
-                WIDTH=tempered.numel(), DIM=table.shape[-1], HEAD=True, NEXT=True, PDL=pdl, num_warps=8, **launch)
-    return token, code, row
+    head_ids = (semantic_begin_id, logits.shape[-1] - 1, im_end_id)
+    return _pick(logits, noise, temperature, top_p, penalty, first_frame, table, head_ids, True)
 
 
 if triton is not None:
