@@ -463,7 +463,9 @@ print("MODEL_FN " + json.dumps({"total_s": total, **model.timings, "captures": c
 
 def cold_warm(checkpoint: str, quantize: str, warm_starts: int = 3) -> dict:
     """model_fn in fresh processes sharing one FISH_SM_CACHE_DIR: a first start into the
-    empty cache, then `warm_starts` starts from it ("warm_start" is their median by total)."""
+    empty cache, then `warm_starts` starts from it ("warm_start" is their median by total).
+    Each start's "triton_kernels": the Triton kernels the cache holds after it (a warm start
+    that adds some rebuilt what the first start had built)."""
     out: dict = {"warm_starts": []}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "FISH_SM_CACHE_DIR": cache, "FISH_SM_QUANTIZE": quantize, "FISH_SM_COMPILE": "true",
@@ -474,6 +476,7 @@ def cold_warm(checkpoint: str, quantize: str, warm_starts: int = 3) -> dict:
             if proc.returncode or not line:
                 raise RuntimeError(f"model_fn failed:\n{proc.stderr[-3000:]}")
             timings = json.loads(line[-1][len("MODEL_FN "):])
+            timings["triton_kernels"] = sum(len(dirs) for root, dirs, _ in os.walk(cache) if root.endswith("triton"))
             if start == 0:
                 out["first_start"] = timings
             else:
