@@ -10,9 +10,9 @@ A piece goes through the codec in two halves:
   state before piece k has the same shapes and positions for every request: the fronts of
   several requests' piece k stack into one batch, and on CUDA piece k is a CUDA graph per
   batch size (copy the requests' states in, replay, copy the new states out) instead of a
-  few hundred kernel launches per request. Only the pieces before the first `largest` one
-  are stacked: they are what a request's first audio waits on, and their state is small
-  (a full KV window is ~8 MB a row for every graph that holds it).
+  few hundred kernel launches per request. Full-length pieces (after a stream's first)
+  stack whatever their index (`FullFronts`: positions are a graph input, caches padded to
+  the window), so one graph per batch size serves all of them.
 - The back (the conv decoder up to 44.1 kHz, ~90% of the codec's work) is the same at
   every position: its only state is each conv's last inputs. Pieces of the same length
   from different requests are stacked into one batch of at most `max_batch_frames`
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fish_sm.engine.generate import batch_sizes
-from fish_sm.model.codec import Codec, KVCache, State
+from fish_sm.model.codec import Codec, KVCache, State, Transformer
 
 
 def piece_frames(index: int, first: int, largest: int) -> int:
@@ -138,6 +138,147 @@ class PieceGraph:
         return self.latents[:b].clone()
 
 
+def _split(state: State) -> tuple[list, list[Tensor]]:
+    """A state's transformer positions and its tensors, each KV cache padded on the left to
+    the window it keeps (what `Transformer._rows` takes: the padding is masked out)."""
+    starts, tensors = [], []
+    for value in state.values():
+        if isinstance(value, Tensor):
+            tensors.append(value)
+            continue
+        start, caches = value
+        starts.append(start)
+        for c in caches:
+            pad = c.keep - len(c)
+            tensors += [F.pad(c.k, (0, 0, pad, 0)), F.pad(c.v, (0, 0, pad, 0))] if pad else [c.k, c.v]
+    return starts, tensors
+
+
+def _assemble(like: State, starts: list, tensors: list[Tensor]) -> State:
+    """A state laid out like `like` from positions and tensors in `_split`'s order."""
+    state, positions, it = {}, iter(starts), iter(tensors)
+    for module, value in like.items():
+        if isinstance(value, Tensor):
+            state[module] = next(it)
+            continue
+        caches = []
+        for c in value[1]:
+            cache = KVCache(c.keep)
+            cache.k, cache.v = next(it), next(it)
+            caches.append(cache)
+        state[module] = (next(positions), caches)
+    return state
+
+
+class FullFronts:
+    """The fronts of full-length pieces at any piece index, up to `rows` streams at once.
+
+    After a stream's first piece, a full-length piece's front does the same work wherever
+    it falls in the utterance but for its positions, and its transformer's KV caches never
+    outgrow the window. So each row's positions are an input (`Transformer._rows`) and a
+    cache not yet full is padded on the left (masked): streams at different indices share
+    a batch, and on CUDA one graph per batch size serves every index. (Run one stream at a
+    time, these fronts were 29% of the codec's GPU time at 32 streams; eleventh pass.)"""
+
+    POSITIONS = 1 << 15  # frames the RoPE tables are sized for (~25 minutes); later pieces run alone
+
+    def __init__(self, codec: Codec, frames: int, rows: int, use_graphs: bool, pool):
+        self.codec, self.frames, self.rows, self.use_graphs, self._pool = codec, frames, rows, use_graphs, pool
+        transformers = [m for m in codec.quantizer.modules() if isinstance(m, Transformer)]
+        self.usable = all(m.window is not None for m in transformers)
+        # The graphs read these tables: held here in case a longer eager stream regrows them.
+        self._tables = [m.rope(0, self.POSITIONS, codec._param.device) for m in transformers] if self.usable else []
+        self.graphs: dict[int, RowsGraph] = {}
+
+    def takes(self, stream: CodecStream, frames: int) -> bool:
+        if not self.usable or frames != self.frames or stream.pieces == 0:
+            return False
+        return all(v[0] + frames <= self.POSITIONS for v in stream.state.values() if not isinstance(v, Tensor))
+
+    def __call__(self, streams: list[CodecStream], codes: Tensor) -> Tensor:
+        """codes [b, rows, frames] of b <= `rows` streams -> their latents; their states move on."""
+        rows = [_split(s.state) for s in streams]
+        if self.use_graphs:
+            latents, outputs = self.graph(len(streams), streams[0].state)(rows, codes)
+        else:
+            device = codes.device
+            starts = [torch.tensor(col, device=device) for col in zip(*(r[0] for r in rows))]
+            state = _assemble(streams[0].state, starts, [torch.cat(col) for col in zip(*(r[1] for r in rows))])
+            latents = self.codec.quantizer.decode(codes, state)
+            outputs = _split(state)[1]
+        for i, stream in enumerate(streams):
+            stream.state = self._moved_on(stream.state, [t[i : i + 1] for t in outputs])
+        return latents
+
+    def _moved_on(self, state: State, row: list[Tensor]) -> State:
+        """The state after this piece from its row of the outputs: positions advance, and each
+        cache keeps what it really holds (no more than the window, none of the padding)."""
+        new, it = {}, iter(row)
+        for module, value in state.items():
+            if isinstance(value, Tensor):
+                new[module] = next(it)
+                continue
+            start, caches = value
+            fresh = []
+            for c in caches:
+                n = min(c.keep, len(c) + self.frames)
+                cache = KVCache(c.keep)
+                cache.k, cache.v = next(it)[:, :, -n:], next(it)[:, :, -n:]
+                fresh.append(cache)
+            new[module] = (start + self.frames, fresh)
+        return new
+
+    def graph(self, batch: int, like: State) -> "RowsGraph":
+        """The graph for `batch` streams: the smallest captured size that holds them."""
+        rows = min(r for r in batch_sizes(self.rows) if r >= batch)
+        if rows not in self.graphs:
+            self.graphs[rows] = RowsGraph(self.codec, like, self.frames, rows, self._pool)
+        return self.graphs[rows]
+
+
+class RowsGraph:
+    """`FullFronts` for up to `rows` streams as one CUDA graph: positions, padded caches and
+    codes in; latents and states out (spare rows run on stale inputs; their results are dropped)."""
+
+    def __init__(self, codec: Codec, like: State, frames: int, rows: int, pool):
+        device = codec._param.device
+        template = {}
+        for module, value in like.items():
+            if isinstance(value, Tensor):
+                template[module] = value.new_zeros(rows, *value.shape[1:])
+                continue
+            caches = []
+            for c in value[1]:
+                cache = KVCache(c.keep)
+                cache.k, cache.v = (t.new_zeros(rows, t.shape[1], c.keep, t.shape[3]) for t in (c.k, c.v))
+                caches.append(cache)
+            template[module] = (torch.zeros(rows, dtype=torch.long, device=device), caches)
+        self.like = template
+        self.starts, self.inputs = _split(template)
+        self.codes = torch.zeros(rows, codec.n_rows, frames, dtype=torch.long, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the graph: cuDNN plans, workspaces
+            codec.quantizer.decode(self.codes, _assemble(template, [t.clone() for t in self.starts],
+                                                         [t.clone() for t in self.inputs]))
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        state = _assemble(template, self.starts, self.inputs)
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.latents = codec.quantizer.decode(self.codes, state)
+        self.outputs = _split(state)[1]
+
+    def __call__(self, rows: list[tuple[list, list[Tensor]]], codes: Tensor) -> tuple[Tensor, list[Tensor]]:
+        b = len(rows)
+        torch._foreach_copy_([t[i : i + 1] for i in range(b) for t in self.inputs], [t for r in rows for t in r[1]])
+        for j, start in enumerate(self.starts):  # non-blocking: staged at once, no wait on the GPU
+            start[:b].copy_(torch.tensor([r[0][j] for r in rows]), non_blocking=True)
+        self.codes[:b].copy_(codes)
+        self.graph.replay()
+        # Copies: the next replay overwrites the graph's outputs.
+        return self.latents[:b].clone(), torch._foreach_mul([t[:b] for t in self.outputs], 1)
+
+
 class ConvBack(nn.Module):
     """The conv decoder as a pure function of (latents, carried context): what lets pieces
     of different requests share one batch, and lets inductor compile it once for any batch
@@ -157,6 +298,7 @@ class ConvBack(nn.Module):
             self.decoder(codec._param.new_zeros(1, self.latent_dim, 1), template)
         self.stateful = [m for m in self.decoder.modules() if m in template]
         self.shapes = [tuple(template[m].shape[1:]) for m in self.stateful]
+        self.dtypes = [template[m].dtype for m in self.stateful]  # not all one under autocast
         self.compiled = torch.compile(self._step) if compiled else None
         self.warmed = False  # after start-up, a shape the compiled code has not seen runs eagerly
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, length) -> graph, inputs, outputs
@@ -164,7 +306,7 @@ class ConvBack(nn.Module):
     def initial(self, rows: int = 1) -> list[Tensor]:
         """The context before a stream's first piece, for `rows` streams."""
         p = self.decoder.model[0].conv.weight
-        return [p.new_zeros(rows, *shape) for shape in self.shapes]
+        return [p.new_zeros(rows, *shape, dtype=dtype) for shape, dtype in zip(self.shapes, self.dtypes)]
 
     def silence(self, rows: int, frames: int) -> Tensor:
         """Latents of `rows` pieces of `frames` code frames, all zero (start-up work)."""
@@ -209,11 +351,11 @@ class ConvBack(nn.Module):
 
 class StreamingCodec:
     """Decodes streams piece by piece. `push_many` stacks the fronts of pieces at the same
-    index (before the first `largest` piece) and the backs of same-length pieces, at most
-    `max_batch_frames` frames a batch (bounded so that a request's first piece never waits
-    long behind one batch). On CUDA the fronts replay captured graphs (captured the first
-    time a piece index and batch size are reached, for at most `max_graphs` piece indices)
-    and the back is compiled and captured."""
+    index, those of full-length pieces at any index, and the backs of same-length pieces, at
+    most `max_batch_frames` frames a batch (bounded so that a request's first piece never
+    waits long behind one batch). On CUDA the fronts replay captured graphs (captured the
+    first time a piece index, or full length, and batch size are reached; for at most
+    `max_graphs` piece indices) and the back is compiled and captured."""
 
     def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_graphs: int = 48,
                  max_batch_frames: int = 512):
@@ -224,6 +366,7 @@ class StreamingCodec:
         self.use_graphs = codec._param.device.type == "cuda"
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.back = ConvBack(codec, compiled=self.use_graphs)
+        self.full = FullFronts(codec, largest, self.max_rows, self.use_graphs, self._pool)
 
     def rows_for(self, frames: int) -> int:
         """Pieces of `frames` frames that go through the back in one batch."""
@@ -282,9 +425,18 @@ class StreamingCodec:
         """The fronts' latents, in order: pieces (of the scheduled length) at the same index stack."""
         device = self.codec._param.device
         latents: list[Optional[Tensor]] = [None] * len(pieces)
+        full = [i for i, (stream, codes) in enumerate(pieces) if self.full.takes(stream, codes.shape[-1])]
+        for at in range(0, len(full), self.max_rows):
+            batch = full[at : at + self.max_rows]
+            streams = [pieces[i][0] for i in batch]
+            z = self.full(streams, torch.cat([pieces[i][1] for i in batch]).to(device).long())
+            for row, (i, stream) in enumerate(zip(batch, streams)):
+                latents[i] = z[row : row + 1]
+                stream.pieces += 1
         at_index: dict[int, list[int]] = {}
         for i, (stream, _) in enumerate(pieces):
-            at_index.setdefault(stream.pieces, []).append(i)
+            if latents[i] is None:
+                at_index.setdefault(stream.pieces, []).append(i)
         for index, members in at_index.items():
             most = self.front_rows(index)
             for at in range(0, len(members), most):
@@ -339,8 +491,12 @@ class StreamingCodec:
         device, alone = self.codec._param.device, CodecStream()
         lengths = [piece_frames(index, self.first, self.largest) for index in range(min(pieces, self.max_graphs))]
         for index, n in enumerate(lengths):
-            for rows in batch_sizes(self.front_rows(index)):
-                self._graph(index, rows, alone.state)
+            if self.full.takes(alone, n):
+                for rows in batch_sizes(self.max_rows):
+                    self.full.graph(rows, alone.state)
+            else:
+                for rows in batch_sizes(self.front_rows(index)):
+                    self._graph(index, rows, alone.state)
             self.push(alone, torch.zeros(1, self.codec.n_rows, n, dtype=torch.long, device=device))
         for n in sorted(set(lengths)):
             for rows in batch_sizes(self.rows_for(n)):

@@ -349,11 +349,12 @@ class Decoder(nn.Module):
 
 
 def window_mask(q_pos: Tensor, k_pos: Tensor, window: Optional[int]) -> Tensor:
-    """[1, 1, Tq, Tk] bool: a query sees keys at or before it, and only the last `window` of them."""
-    seen = k_pos[None, :] <= q_pos[:, None]
+    """[1, 1, Tq, Tk] bool (or [B, 1, Tq, Tk] for positions [B, Tq] and [B, Tk], one row each):
+    a query sees keys at or before it, and only the last `window` of them."""
+    seen = k_pos[..., None, :] <= q_pos[..., :, None]
     if window is not None:
-        seen &= k_pos[None, :] > q_pos[:, None] - window
-    return seen[None, None]
+        seen &= k_pos[..., None, :] > q_pos[..., :, None] - window
+    return seen.unsqueeze(-3) if seen.dim() == 3 else seen[None, None]
 
 
 class LayerScale(nn.Module):
@@ -464,11 +465,29 @@ class Transformer(nn.Module):
                 keep = None if self.window is None else self.window - 1
                 state[self] = (0, [KVCache(keep) for _ in self.layers])
             start, caches = state[self]
+            if isinstance(start, Tensor):
+                return self._rows(x, start, caches, state)
             past = len(caches[0]) if caches else 0
             k_pos = torch.arange(start - past, start + t, device=x.device)
             state[self] = (start + t, caches)
         mask = window_mask(torch.arange(start, start + t, device=x.device), k_pos, self.window)
         rope = self.rope(start, t, x.device)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, rope, mask, cache)
+        return self.norm(x).transpose(1, 2)
+
+    def _rows(self, x: Tensor, start: Tensor, caches: list[KVCache], state: State) -> Tensor:
+        """Each row at its own position (`start` [B]), as one graph replays streams at any
+        point of their utterances: RoPE rows gathered and the window mask built on the GPU.
+        The caches hold `past` keys before each row's start; those before position 0 (a
+        cache padded on the left) are masked out. The caller sizes the RoPE table first."""
+        t, past = x.shape[1], len(caches[0])
+        offsets = torch.arange(-past, t, device=x.device)
+        k_pos = start[:, None] + offsets
+        q_pos = k_pos[:, past:]
+        mask = window_mask(q_pos, k_pos, self.window) & (k_pos >= 0)[:, None, None, :]
+        rope = self._rope[q_pos]
+        state[self] = (start + t, caches)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, rope, mask, cache)
         return self.norm(x).transpose(1, 2)

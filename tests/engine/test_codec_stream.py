@@ -1,8 +1,12 @@
 """Piece-by-piece codec decoding: the schedule, and the state plumbing the CUDA graphs use."""
 
+import dataclasses
+
+import pytest
 import torch
 
-from fish_sm.engine.codec_stream import CodecStream, StreamingCodec, _flatten, _rebuild, decode_in_pieces, piece_frames
+from fish_sm.engine.codec_stream import CodecStream, FullFronts, StreamingCodec, _flatten, _rebuild, decode_in_pieces, piece_frames
+from fish_sm.model.codec import CodecConfig, build_codec_state_dict, codec_from_state_dict
 
 
 def test_schedule_doubles_up_to_the_largest_piece():
@@ -64,9 +68,10 @@ def test_pieces_of_several_streams_decode_together_like_each_alone(engine):
 
 
 def test_fronts_at_one_piece_index_and_backs_of_one_length_run_as_batches(engine, monkeypatch):
-    """Pieces before the first full-length one stack their fronts (the state they carry has
-    the same shapes for every stream); backs stack up to `max_batch_frames` frames, so
-    short pieces go in larger batches. Each stream still gets its own audio."""
+    """Pieces at one index stack their fronts (the state they carry has the same shapes for
+    every stream), full-length ones up to `max_batch_frames` frames; backs stack up to
+    `max_batch_frames` frames, so short pieces go in larger batches. Each stream still gets
+    its own audio."""
     codec = engine.codec
     pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)
     assert [pieces.front_rows(i) for i in range(4)] == [8, 4, 1, 1]
@@ -81,7 +86,7 @@ def test_fronts_at_one_piece_index_and_backs_of_one_length_run_as_batches(engine
         for at, n in ((0, 2), (2, 4), (6, 8), (14, 8)):
             for i, audio in enumerate(pieces.push_many([(s, c[..., at : at + n]) for s, c in zip(streams, codes)])):
                 out[i].append(audio)
-        assert fronts == [4, 4, 1, 1, 1, 1, 1, 1, 1, 1]
+        assert fronts == [4, 4, 2, 2, 2, 2]
         assert [(b, t // pieces.back.steps) for b, t in backs] == [(4, 2), (4, 4), (2, 8), (2, 8), (2, 8), (2, 8)]
         for i in range(len(codes)):
             torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)
@@ -110,3 +115,68 @@ def test_last_pieces_shorter_than_scheduled_run_with_the_others(engine, monkeypa
         whole = torch.cat(out[i], dim=-1)
         assert whole.shape[-1] == n * codec.frame_length
         torch.testing.assert_close(whole, codec.decode(codes[i]), atol=1e-4, rtol=0)
+
+
+def test_full_length_fronts_at_different_indices_share_a_batch_past_the_window(monkeypatch):
+    """`FullFronts`: streams at different piece indices stack their full-length fronts, each
+    row at its own positions, with KV caches padded to the window while not yet full and
+    dropping the oldest keys once past it; each stream still gets its whole-sequence audio."""
+    config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
+    codec = codec_from_state_dict(build_codec_state_dict(config, seed=3)).eval()
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12)  # three full pieces a batch
+    batches = []
+    call = FullFronts.__call__
+    monkeypatch.setattr(FullFronts, "__call__", lambda self, streams, codes: batches.append(
+        sorted(s.pieces for s in streams)) or call(self, streams, codes))
+    lengths, starts = (26, 19, 30, 23), (0, 1, 2, 4)
+    codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(60 + n)) for n in lengths]
+    streams, out, at = [CodecStream() for _ in codes], [[] for _ in codes], [0] * len(codes)
+    rounds = 0
+    with torch.inference_mode():
+        while any(a < n for a, n in zip(at, lengths)):
+            batch = []
+            for i, n in enumerate(lengths):
+                if rounds >= starts[i] and at[i] < n:
+                    m = min(pieces.next_frames(streams[i]), n - at[i])
+                    batch.append((i, codes[i][..., at[i] : at[i] + m]))
+                    at[i] += m
+            for (i, _), audio in zip(batch, pieces.push_many([(streams[i], c) for i, c in batch])):
+                out[i].append(audio)
+            rounds += 1
+        assert any(len(set(b)) > 1 for b in batches) and max(len(b) for b in batches) == 3
+        assert max(max(b) for b in batches) > 3  # pieces well past the 6-frame window
+        for i in range(len(codes)):
+            torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeypatch):
+    """As served on a GPU: the per-index and full-length front graphs and the compiled,
+    captured back, streams joining at different rounds (float32, TF32 off: with it, pieces
+    and whole decodes differ by up to ~3e-3 from the convolutions' shapes alone)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
+    codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12)
+    with torch.inference_mode():
+        pieces.capture(6)
+    assert sorted(pieces.full.graphs) == [1, 2, 3]
+    lengths, starts = (26, 19, 30, 23, 9), (0, 1, 2, 4, 4)
+    codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(70 + n)).cuda()
+             for n in lengths]
+    streams, out, at = [CodecStream() for _ in codes], [[] for _ in codes], [0] * len(codes)
+    rounds = 0
+    with torch.inference_mode():
+        while any(a < n for a, n in zip(at, lengths)):
+            batch = []
+            for i, n in enumerate(lengths):
+                if rounds >= starts[i] and at[i] < n:
+                    m = min(pieces.next_frames(streams[i]), n - at[i])
+                    batch.append((i, codes[i][..., at[i] : at[i] + m]))
+                    at[i] += m
+            for (i, _), audio in zip(batch, pieces.push_many([(streams[i], c) for i, c in batch])):
+                out[i].append(audio)
+            rounds += 1
+        for i in range(len(codes)):
+            torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)

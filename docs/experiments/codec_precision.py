@@ -1,0 +1,163 @@
+"""The streaming codec's precision and layout, measured: for each variant, N streams of F
+frames decoded piece by piece (every stream's piece k in one `push_many`, captured fronts
+and back as served), its throughput, the fronts' and the back's share, and one stream's
+audio against a float32 decode with TF32 off. Not part of the package.
+
+Variants:
+- fp32: as shipped (float32; cuDNN runs the convolutions in TF32, matmuls stay float32).
+- tf32mm: fp32 plus TF32 matmuls (the fronts' linear layers).
+- autocast: under torch.autocast(bfloat16), as upstream's serving engine decodes
+  (TTSInferenceEngine.get_audio_segment); weights and Snake math stay float32.
+- bf16: the codec's weights in bfloat16.
+- cl, cl-autocast: the back as 2-D convolutions over channels-last [B, C, 1, T] tensors (no
+  NCHW<->NHWC conversions around cuDNN's kernels), float32 or under autocast.
+
+    python docs/experiments/codec_precision.py CHECKPOINT_DIR [VARIANTS=fp32,autocast,...] [STREAMS=32] [FRAMES=200]
+    # JSON lines, $OUT/codec_precision.json
+"""
+import collections, contextlib, copy, gc, json, math, os, sys, time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fish_sm.engine import Engine
+from fish_sm.engine.codec_stream import CodecStream, ConvBack, StreamingCodec, decode_in_pieces
+from fish_sm.model.codec import (CausalConv1d, CausalConvTranspose1d, Decoder, DecoderBlock, ResidualUnit,
+                                 Snake1d)
+
+checkpoint = sys.argv[1]
+variants = (sys.argv[2] if len(sys.argv) > 2 else "fp32,tf32mm,autocast,bf16,cl,cl-autocast").split(",")
+n = int(sys.argv[3]) if len(sys.argv) > 3 else 32
+frames = int(sys.argv[4]) if len(sys.argv) > 4 else 200
+engine = Engine.from_pretrained(checkpoint, device="cuda", max_seq_len=2048)
+codec = engine.codec
+rng = np.random.default_rng(0)
+codes = [torch.from_numpy(rng.integers(0, 1024, size=(1, codec.n_rows, frames))).cuda() for _ in range(n)]
+
+
+def _set_tf32(on: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+
+
+with torch.inference_mode():
+    _set_tf32(False)
+    reference = codec.decode(codes[0]).float()
+    torch.backends.cudnn.allow_tf32 = True
+torch.cuda.synchronize()
+
+
+class ChannelsLastBack(ConvBack):
+    """The conv decoder over [B, C, 1, T] channels-last tensors (contexts stay [B, C, L])."""
+
+    def __init__(self, codec, compiled):
+        super().__init__(codec, compiled)
+        cl = torch.channels_last
+        self.w4 = {m: m.conv.weight[:, :, None, :].contiguous(memory_format=cl)
+                   for m in self.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d))}
+
+    def _step(self, latents, contexts):
+        state = dict(zip(self.stateful, contexts))
+        x = latents[:, :, None, :].contiguous(memory_format=torch.channels_last)
+        audio = self._run4(self.decoder, x, state)
+        return audio[:, 0, 0], [state[m] for m in self.stateful]
+
+    def _run4(self, m, x, state):
+        if isinstance(m, Decoder):
+            return torch.tanh(self._seq(m.model, x, state))
+        if isinstance(m, DecoderBlock):
+            return self._seq(m.block, x, state)
+        if isinstance(m, ResidualUnit):
+            return x + self._seq(m.block, x, state)
+        if isinstance(m, Snake1d):
+            a = m.alpha[..., None]
+            return x + (a + 1e-9).reciprocal() * torch.sin(a * x).pow(2)
+        if isinstance(m, CausalConv1d):
+            if m.left:
+                x = torch.cat([state[m][:, :, None, :].to(x.dtype), x], dim=-1)
+                state[m] = x[..., -m.left:][:, :, 0].clone()
+            return F.conv2d(x, self.w4[m], m.conv.bias, dilation=(1, m.conv.dilation[0]))
+        if isinstance(m, CausalConvTranspose1d):
+            length = x.shape[-1] * m.stride
+            y = F.conv_transpose2d(x, self.w4[m], None, stride=(1, m.stride))
+            y = torch.cat([y[..., : m.overlap] + state[m][:, :, None, :], y[..., m.overlap:]], dim=-1)
+            state[m] = y[..., length:][:, :, 0].clone()
+            return y[..., :length] + m.conv.bias[:, None, None]
+        raise TypeError(type(m))
+
+    def _seq(self, layers, x, state):
+        for layer in layers:
+            x = self._run4(layer, x, state)
+        return x
+
+
+def setting(name):
+    stack = contextlib.ExitStack()
+    _set_tf32(False)
+    torch.backends.cudnn.allow_tf32 = True  # torch's default
+    if name == "tf32mm":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if "autocast" in name:
+        stack.enter_context(torch.autocast("cuda", torch.bfloat16))
+    return stack
+
+
+spent = collections.defaultdict(float)
+
+
+def timed(name, fn):
+    def run(*a, **k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            torch.cuda.synchronize()
+            spent[name] += time.perf_counter() - t
+    return run
+
+
+def stream_all(sc: StreamingCodec) -> float:
+    streams = [CodecStream() for _ in range(n)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    at = 0
+    while at < frames:
+        m = min(sc.next_frames(streams[0]), frames - at)
+        sc.push_many([(s, c[..., at:at + m]) for s, c in zip(streams, codes)])
+        at += m
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "streams": n, "frames": frames,
+       "variants": {}}
+for name in variants:
+    model = copy.deepcopy(codec).to(torch.bfloat16) if name == "bf16" else codec
+    with setting(name), torch.inference_mode():
+        t0 = time.perf_counter()
+        sc = StreamingCodec(model, 4, 64)
+        if name.startswith("cl"):
+            sc.back = ChannelsLastBack(model, compiled=True)
+        sc.capture(12)
+        capture_s = time.perf_counter() - t0
+        walls = [stream_all(sc) for _ in range(3)]
+        spent.clear()
+        fronts, back = sc._fronts, sc.back.forward
+        sc._fronts, sc.back.forward = timed("fronts", fronts), timed("back", back)
+        split_wall = stream_all(sc)
+        sc._fronts, sc.back.forward = fronts, back
+        audio = decode_in_pieces(sc, codes[0]).float()
+    err = audio - reference
+    row = {"capture_s": round(capture_s, 1), "wall_s": [round(w, 4) for w in walls],
+           "frames_per_s_median": round(n * frames / sorted(walls)[1]),
+           "split_s": {"wall": round(split_wall, 4), **{k: round(v, 4) for k, v in spent.items()}},
+           "snr_db": round(10 * math.log10(reference.pow(2).sum().item() / max(err.pow(2).sum().item(), 1e-30)), 2),
+           "max_abs": float(err.abs().max())}
+    out["variants"][name] = row
+    print(json.dumps({"variant": name, **row}), flush=True)
+    del sc, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "codec_precision.json"), "w"), indent=1)
