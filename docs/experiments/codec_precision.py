@@ -54,7 +54,8 @@ class ChannelsLastBack(ConvBack):
     def __init__(self, codec, compiled):
         super().__init__(codec, compiled)
         cl = torch.channels_last
-        self.w4 = {m: m.conv.weight[:, :, None, :].contiguous(memory_format=cl)
+        self.w4 = {m: (m.phases() if isinstance(m, CausalConvTranspose1d) else m.conv.weight)[:, :, None, :]
+                   .contiguous(memory_format=cl)
                    for m in self.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d))}
 
     def _step(self, latents, contexts):
@@ -78,12 +79,13 @@ class ChannelsLastBack(ConvBack):
                 x = torch.cat([state[m][:, :, None, :].to(x.dtype), x], dim=-1)
                 state[m] = x[..., -m.left:][:, :, 0].clone()
             return F.conv2d(x, self.w4[m], m.conv.bias, dilation=(1, m.conv.dilation[0]))
-        if isinstance(m, CausalConvTranspose1d):
-            length = x.shape[-1] * m.stride
-            y = F.conv_transpose2d(x, self.w4[m], None, stride=(1, m.stride))
-            y = torch.cat([y[..., : m.overlap] + state[m][:, :, None, :], y[..., m.overlap:]], dim=-1)
-            state[m] = y[..., length:][:, :, 0].clone()
-            return y[..., :length] + m.conv.bias[:, None, None]
+        if isinstance(m, CausalConvTranspose1d):  # as streamed: interleaved ordinary convs
+            if m.taps > 1:
+                x = torch.cat([state[m][:, :, None, :].to(x.dtype), x], dim=-1)
+                state[m] = x[..., 1 - m.taps:][:, :, 0].clone()
+            y = F.conv2d(x, self.w4[m])
+            b, t = y.shape[0], y.shape[-1]
+            return y.reshape(b, -1, m.stride, t).transpose(2, 3).reshape(b, -1, 1, t * m.stride) + m.conv.bias[:, None, None]
         raise TypeError(type(m))
 
     def _seq(self, layers, x, state):
