@@ -4,13 +4,16 @@ and back as served), its throughput, the fronts' and the back's share, and one s
 audio against a float32 decode with TF32 off. Not part of the package.
 
 Variants:
-- fp32: as shipped (float32; cuDNN runs the convolutions in TF32, matmuls stay float32).
+- fp32: as shipped (float32; cuDNN runs the convolutions in TF32, matmuls stay float32;
+  the back over channels-last [B, C, 1, T] tensors).
 - tf32mm: fp32 plus TF32 matmuls (the fronts' linear layers).
 - autocast: under torch.autocast(bfloat16), as upstream's serving engine decodes
   (TTSInferenceEngine.get_audio_segment); weights and Snake math stay float32.
 - bf16: the codec's weights in bfloat16.
-- cl, cl-autocast: the back as 2-D convolutions over channels-last [B, C, 1, T] tensors (no
-  NCHW<->NHWC conversions around cuDNN's kernels), float32 or under autocast.
+- bench (with any of the others): cuDNN benchmark mode while capturing (it times its
+  algorithms for each shape instead of taking its heuristics' pick).
+- 1d, 1d-autocast: the back over [B, C, T] tensors and 1-D convolutions (cuDNN converts
+  layouts around its kernels; as shipped before the twelfth pass).
 
     python docs/experiments/codec_precision.py CHECKPOINT_DIR [VARIANTS=fp32,autocast,...] [STREAMS=32] [FRAMES=200]
     # JSON lines, $OUT/codec_precision.json
@@ -19,15 +22,12 @@ import collections, contextlib, copy, gc, json, math, os, sys, time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from fish_sm.engine import Engine
 from fish_sm.engine.codec_stream import CodecStream, ConvBack, StreamingCodec, decode_in_pieces
-from fish_sm.model.codec import (CausalConv1d, CausalConvTranspose1d, Decoder, DecoderBlock, ResidualUnit,
-                                 Snake1d)
 
 checkpoint = sys.argv[1]
-variants = (sys.argv[2] if len(sys.argv) > 2 else "fp32,tf32mm,autocast,bf16,cl,cl-autocast").split(",")
+variants = (sys.argv[2] if len(sys.argv) > 2 else "fp32,1d,tf32mm,autocast,bf16").split(",")
 n = int(sys.argv[3]) if len(sys.argv) > 3 else 32
 frames = int(sys.argv[4]) if len(sys.argv) > 4 else 200
 engine = Engine.from_pretrained(checkpoint, device="cuda", max_seq_len=2048)
@@ -48,58 +48,15 @@ with torch.inference_mode():
 torch.cuda.synchronize()
 
 
-class ChannelsLastBack(ConvBack):
-    """The conv decoder over [B, C, 1, T] channels-last tensors (contexts stay [B, C, L])."""
-
-    def __init__(self, codec, compiled):
-        super().__init__(codec, compiled)
-        cl = torch.channels_last
-        self.w4 = {m: (m.phases() if isinstance(m, CausalConvTranspose1d) else m.conv.weight)[:, :, None, :]
-                   .contiguous(memory_format=cl)
-                   for m in self.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d))}
-
-    def _step(self, latents, contexts):
-        state = dict(zip(self.stateful, contexts))
-        x = latents[:, :, None, :].contiguous(memory_format=torch.channels_last)
-        audio = self._run4(self.decoder, x, state)
-        return audio[:, 0, 0], [state[m] for m in self.stateful]
-
-    def _run4(self, m, x, state):
-        if isinstance(m, Decoder):
-            return torch.tanh(self._seq(m.model, x, state))
-        if isinstance(m, DecoderBlock):
-            return self._seq(m.block, x, state)
-        if isinstance(m, ResidualUnit):
-            return x + self._seq(m.block, x, state)
-        if isinstance(m, Snake1d):
-            a = m.alpha[..., None]
-            return x + (a + 1e-9).reciprocal() * torch.sin(a * x).pow(2)
-        if isinstance(m, CausalConv1d):
-            if m.left:
-                x = torch.cat([state[m][:, :, None, :].to(x.dtype), x], dim=-1)
-                state[m] = x[..., -m.left:][:, :, 0].clone()
-            return F.conv2d(x, self.w4[m], m.conv.bias, dilation=(1, m.conv.dilation[0]))
-        if isinstance(m, CausalConvTranspose1d):  # as streamed: interleaved ordinary convs
-            if m.taps > 1:
-                x = torch.cat([state[m][:, :, None, :].to(x.dtype), x], dim=-1)
-                state[m] = x[..., 1 - m.taps:][:, :, 0].clone()
-            y = F.conv2d(x, self.w4[m])
-            b, t = y.shape[0], y.shape[-1]
-            return y.reshape(b, -1, m.stride, t).transpose(2, 3).reshape(b, -1, 1, t * m.stride) + m.conv.bias[:, None, None]
-        raise TypeError(type(m))
-
-    def _seq(self, layers, x, state):
-        for layer in layers:
-            x = self._run4(layer, x, state)
-        return x
-
-
 def setting(name):
     stack = contextlib.ExitStack()
     _set_tf32(False)
     torch.backends.cudnn.allow_tf32 = True  # torch's default
-    if name == "tf32mm":
+    if "tf32mm" in name:
         torch.backends.cuda.matmul.allow_tf32 = True
+    if "bench" in name:  # cuDNN times its algorithms for each shape (in the warm-ups before capture)
+        torch.backends.cudnn.benchmark = True
+        stack.callback(setattr, torch.backends.cudnn, "benchmark", False)
     if "autocast" in name:
         stack.enter_context(torch.autocast("cuda", torch.bfloat16))
     return stack
@@ -140,8 +97,8 @@ for name in variants:
     with setting(name), torch.inference_mode():
         t0 = time.perf_counter()
         sc = StreamingCodec(model, 4, 64)
-        if name.startswith("cl"):
-            sc.back = ChannelsLastBack(model, compiled=True)
+        if name.startswith("1d"):
+            sc.back = ConvBack(model, compiled=True, channels_last=False)
         sc.capture(12)
         capture_s = time.perf_counter() - t0
         walls = [stream_all(sc) for _ in range(3)]
@@ -151,14 +108,24 @@ for name in variants:
         split_wall = stream_all(sc)
         sc._fronts, sc.back.forward = fronts, back
         audio = decode_in_pieces(sc, codes[0]).float()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            stream_all(sc)
+        by_name = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                by_name[e.name[:80]] += e.device_time_total
     err = audio - reference
     row = {"capture_s": round(capture_s, 1), "wall_s": [round(w, 4) for w in walls],
            "frames_per_s_median": round(n * frames / sorted(walls)[1]),
            "split_s": {"wall": round(split_wall, 4), **{k: round(v, 4) for k, v in spent.items()}},
            "snr_db": round(10 * math.log10(reference.pow(2).sum().item() / max(err.pow(2).sum().item(), 1e-30)), 2),
-           "max_abs": float(err.abs().max())}
+           "max_abs": float(err.abs().max()),
+           "kernel_ms": round(sum(by_name.values()) / 1e3, 1),
+           "top_kernels_ms": [(k, round(v / 1e3, 1)) for k, v in by_name.most_common(8)]}
     out["variants"][name] = row
-    print(json.dumps({"variant": name, **row}), flush=True)
+    print(json.dumps({"variant": name, **{k: v for k, v in row.items() if k != "top_kernels_ms"}}), flush=True)
+    for kernel, ms in row["top_kernels_ms"]:
+        print(f"    {ms:7.1f} ms  {kernel[:70]}", flush=True)
     del sc, model
     gc.collect()
     torch.cuda.empty_cache()

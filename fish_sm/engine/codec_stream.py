@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fish_sm.engine.generate import batch_sizes
-from fish_sm.model.codec import Codec, KVCache, State, Transformer
+from fish_sm.model.codec import CausalConv1d, CausalConvTranspose1d, Codec, KVCache, State, Transformer
 
 
 def piece_frames(index: int, first: int, largest: int) -> int:
@@ -288,14 +288,19 @@ class ConvBack(nn.Module):
     the smallest captured row count that holds it; the spare rows' results are dropped):
     the compiled code's own launches would hold the GIL the decode loop needs."""
 
-    def __init__(self, codec: Codec, compiled: bool):
+    def __init__(self, codec: Codec, compiled: bool, channels_last: bool = False):
         super().__init__()
         self.decoder = codec.decoder
         self.latent_dim = codec.config.latent_dim
         self.steps = codec.frame_length // codec.config.hop_length  # latent steps per code frame
+        self.channels_last = channels_last  # [B, C, 1, T] in channels-last memory (`conv_2d`)
+        if channels_last:
+            for m in self.decoder.modules():
+                if isinstance(m, (CausalConv1d, CausalConvTranspose1d)):
+                    m.prepare_2d()
         template: dict = {}
         with torch.inference_mode():
-            self.decoder(codec._param.new_zeros(1, self.latent_dim, 1), template)
+            self.decoder(self._layout(codec._param.new_zeros(1, self.latent_dim, 1)), template)
         self.stateful = [m for m in self.decoder.modules() if m in template]
         self.shapes = [tuple(template[m].shape[1:]) for m in self.stateful]
         self.dtypes = [template[m].dtype for m in self.stateful]  # not all one under autocast
@@ -306,15 +311,19 @@ class ConvBack(nn.Module):
     def initial(self, rows: int = 1) -> list[Tensor]:
         """The context before a stream's first piece, for `rows` streams."""
         p = self.decoder.model[0].conv.weight
-        return [p.new_zeros(rows, *shape, dtype=dtype) for shape, dtype in zip(self.shapes, self.dtypes)]
+        zeros = [p.new_zeros(rows, *shape, dtype=dtype) for shape, dtype in zip(self.shapes, self.dtypes)]
+        return [z.contiguous(memory_format=torch.channels_last) for z in zeros] if self.channels_last else zeros
 
     def silence(self, rows: int, frames: int) -> Tensor:
         """Latents of `rows` pieces of `frames` code frames, all zero (start-up work)."""
         return self.decoder.model[0].conv.weight.new_zeros(rows, self.latent_dim, frames * self.steps)
 
+    def _layout(self, latents: Tensor) -> Tensor:
+        return latents[:, :, None].contiguous(memory_format=torch.channels_last) if self.channels_last else latents
+
     def _step(self, latents: Tensor, contexts: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         state = dict(zip(self.stateful, contexts))
-        audio = self.decoder(latents, state)[:, 0]
+        audio = self.decoder(self._layout(latents), state).flatten(1)
         return audio, [state[m] for m in self.stateful]
 
     def capture(self, rows: int, frames: int, pool) -> None:
@@ -365,7 +374,7 @@ class StreamingCodec:
         self.graphs: dict[tuple[int, int], PieceGraph] = {}  # (piece index, rows) -> its front
         self.use_graphs = codec._param.device.type == "cuda"
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.back = ConvBack(codec, compiled=self.use_graphs)
+        self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs)
         self.full = FullFronts(codec, largest, self.max_rows, self.use_graphs, self._pool)
 
     def rows_for(self, frames: int) -> int:

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from fish_sm.engine.codec_stream import CodecStream, FullFronts, StreamingCodec, _flatten, _rebuild, decode_in_pieces, piece_frames
+from fish_sm.engine.codec_stream import CodecStream, ConvBack, FullFronts, StreamingCodec, _flatten, _rebuild, decode_in_pieces, piece_frames
 from fish_sm.model.codec import CodecConfig, build_codec_state_dict, codec_from_state_dict
 
 
@@ -24,6 +24,21 @@ def test_pieces_decode_like_the_whole_sequence(engine):
     with torch.inference_mode():
         torch.testing.assert_close(decode_in_pieces(StreamingCodec(engine.codec, first=2, largest=8), codes),
                                    engine.codec.decode(codes), atol=1e-4, rtol=0)
+
+
+def test_the_back_over_channels_last_2d_tensors_decodes_like_the_whole_sequence(engine):
+    """What the back runs on CUDA: [B, C, 1, T] channels-last tensors and 2-D convolutions
+    of height 1 (prepared weights, transposed convs as interleaved ordinary convs)."""
+    codes = torch.randint(0, 1024, (1, engine.codec.n_rows, 45), generator=torch.Generator().manual_seed(2))
+    pieces = StreamingCodec(engine.codec, first=2, largest=8)
+    pieces.back = ConvBack(engine.codec, compiled=False, channels_last=True)
+    assert all(len(shape) == 3 for shape in pieces.back.shapes)  # contexts [C, 1, L] a row
+    try:
+        with torch.inference_mode():
+            torch.testing.assert_close(decode_in_pieces(pieces, codes), engine.codec.decode(codes), atol=1e-4, rtol=0)
+    finally:
+        for m in engine.codec.decoder.modules():  # the session's engine: as it was
+            m.__dict__.update({k: None for k in ("weight_2d", "phases_2d") if k in m.__dict__})
 
 
 def test_state_copied_through_flat_tensors_decodes_the_same(engine):
