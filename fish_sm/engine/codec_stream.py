@@ -267,6 +267,8 @@ class RowsGraph:
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.latents = codec.quantizer.decode(self.codes, state)
         self.outputs = _split(state)[1]
+        # The RoPE tables it reads, kept alive should a transformer regrow its own.
+        self.tables = [m._rope for m in codec.quantizer.modules() if isinstance(m, Transformer)]
 
     def __call__(self, rows: list[tuple[list, list[Tensor]]], codes: Tensor) -> tuple[Tensor, list[Tensor]]:
         b = len(rows)

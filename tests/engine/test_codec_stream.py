@@ -19,10 +19,11 @@ def test_a_last_piece_runs_the_back_over_the_shortest_scheduled_length_that_hold
     assert StreamingCodec(engine.codec, first=4, largest=48).back_frames(40) == 48  # a largest off the doubling
 
 
-def test_pieces_decode_like_the_whole_sequence(engine):
+@pytest.mark.parametrize("first, largest", [(2, 8), (8, 8), (3, 8)])  # (8, 8): full length from the first piece
+def test_pieces_decode_like_the_whole_sequence(engine, first, largest):
     codes = torch.randint(0, 1024, (1, engine.codec.n_rows, 45), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        torch.testing.assert_close(decode_in_pieces(StreamingCodec(engine.codec, first=2, largest=8), codes),
+        torch.testing.assert_close(decode_in_pieces(StreamingCodec(engine.codec, first=first, largest=largest), codes),
                                    engine.codec.decode(codes), atol=1e-4, rtol=0)
 
 
