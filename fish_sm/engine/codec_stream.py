@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fish_sm.engine.generate import batch_sizes
-from fish_sm.model.codec import CausalConv1d, CausalConvTranspose1d, Codec, KVCache, State, Transformer
+from fish_sm.model.codec import CausalConv1d, CausalConvTranspose1d, Codec, KVCache, State
 
 
 def piece_frames(index: int, first: int, largest: int) -> int:
@@ -184,10 +184,10 @@ class FullFronts:
 
     def __init__(self, codec: Codec, frames: int, rows: int, use_graphs: bool, pool):
         self.codec, self.frames, self.rows, self.use_graphs, self._pool = codec, frames, rows, use_graphs, pool
-        transformers = [m for m in codec.quantizer.modules() if isinstance(m, Transformer)]
-        self.usable = all(m.window is not None for m in transformers)
-        # The graphs read these tables: held here in case a longer eager stream regrows them.
-        self._tables = [m.rope(0, self.POSITIONS, codec._param.device) for m in transformers] if self.usable else []
+        post = codec.quantizer.post_module  # the decode's one transformer, if any
+        self.usable = post is None or post.window is not None
+        if post is not None and self.usable:
+            post.rope(0, self.POSITIONS, codec._param.device)  # sized once, before any graph reads it
         self.graphs: dict[int, RowsGraph] = {}
 
     def takes(self, stream: CodecStream, frames: int) -> bool:
@@ -267,8 +267,8 @@ class RowsGraph:
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.latents = codec.quantizer.decode(self.codes, state)
         self.outputs = _split(state)[1]
-        # The RoPE tables it reads, kept alive should a transformer regrow its own.
-        self.tables = [m._rope for m in codec.quantizer.modules() if isinstance(m, Transformer)]
+        # The RoPE table it reads, kept alive should the transformer regrow its own.
+        self.table = None if codec.quantizer.post_module is None else codec.quantizer.post_module._rope
 
     def __call__(self, rows: list[tuple[list, list[Tensor]]], codes: Tensor) -> tuple[Tensor, list[Tensor]]:
         b = len(rows)
@@ -434,37 +434,34 @@ class StreamingCodec:
         return audio
 
     def _fronts(self, pieces: list[tuple[CodecStream, Tensor]]) -> list[Tensor]:
-        """The fronts' latents, in order: pieces (of the scheduled length) at the same index stack."""
+        """The fronts' latents, in order: pieces (of the scheduled length) at the same index
+        stack, and full-length ones at any index (`FullFronts`)."""
         device = self.codec._param.device
         latents: list[Optional[Tensor]] = [None] * len(pieces)
-        full = [i for i, (stream, codes) in enumerate(pieces) if self.full.takes(stream, codes.shape[-1])]
-        for at in range(0, len(full), self.max_rows):
-            batch = full[at : at + self.max_rows]
-            streams = [pieces[i][0] for i in batch]
-            z = self.full(streams, torch.cat([pieces[i][1] for i in batch]).to(device).long())
-            for row, (i, stream) in enumerate(zip(batch, streams)):
-                latents[i] = z[row : row + 1]
-                stream.pieces += 1
-        at_index: dict[int, list[int]] = {}
-        for i, (stream, _) in enumerate(pieces):
-            if latents[i] is None:
-                at_index.setdefault(stream.pieces, []).append(i)
-        for index, members in at_index.items():
-            most = self.front_rows(index)
+        groups: dict[Optional[int], list[int]] = {}  # piece index -> pieces; None: full-length ones
+        for i, (stream, codes) in enumerate(pieces):
+            groups.setdefault(None if self.full.takes(stream, codes.shape[-1]) else stream.pieces, []).append(i)
+        for index, members in groups.items():
+            most = self.max_rows if index is None else self.front_rows(index)
             for at in range(0, len(members), most):
                 batch = members[at : at + most]
                 streams = [pieces[i][0] for i in batch]
-                codes = torch.cat([pieces[i][1] for i in batch]).to(device).long()
-                if self.use_graphs and index < self.max_graphs:
-                    z = self._graph(index, len(batch), streams[0].state)(streams, codes)
-                else:
-                    state = _stack(streams)
-                    z = self.codec.quantizer.decode(codes, state)
-                    _unstack(state, streams)
+                z = self._front(index, streams, torch.cat([pieces[i][1] for i in batch]).to(device).long())
                 for row, (i, stream) in enumerate(zip(batch, streams)):
                     latents[i] = z[row : row + 1]
                     stream.pieces += 1
         return latents
+
+    def _front(self, index: Optional[int], streams: list[CodecStream], codes: Tensor) -> Tensor:
+        """One batch of fronts: full-length (`index` None), a captured graph's, or eager."""
+        if index is None:
+            return self.full(streams, codes)
+        if self.use_graphs and index < self.max_graphs:
+            return self._graph(index, len(streams), streams[0].state)(streams, codes)
+        state = _stack(streams)
+        z = self.codec.quantizer.decode(codes, state)
+        _unstack(state, streams)
+        return z
 
     def _graph(self, index: int, batch: int, template: State) -> PieceGraph:
         """The graph for `batch` fronts at `index`: the smallest captured size that holds them."""
