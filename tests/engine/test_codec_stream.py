@@ -9,6 +9,24 @@ from fish_sm.engine.codec_stream import CodecStream, ConvBack, FullFronts, Strea
 from fish_sm.model.codec import CodecConfig, build_codec_state_dict, codec_from_state_dict
 
 
+def _streamed_in_rounds(pieces: StreamingCodec, codes: list[torch.Tensor], starts) -> list[torch.Tensor]:
+    """Each stream's audio, streamed as a server would: every round, one `push_many` of the
+    next scheduled piece of each stream that has joined (stream i from round starts[i])."""
+    streams, out, at = [CodecStream() for _ in codes], [[] for _ in codes], [0] * len(codes)
+    rounds = 0
+    while any(a < c.shape[-1] for a, c in zip(at, codes)):
+        batch = []
+        for i, c in enumerate(codes):
+            if rounds >= starts[i] and at[i] < c.shape[-1]:
+                m = min(pieces.next_frames(streams[i]), c.shape[-1] - at[i])
+                batch.append((i, c[..., at[i] : at[i] + m]))
+                at[i] += m
+        for (i, _), audio in zip(batch, pieces.push_many([(streams[i], c) for i, c in batch])):
+            out[i].append(audio)
+        rounds += 1
+    return [torch.cat(o, dim=-1) for o in out]
+
+
 def test_schedule_doubles_up_to_the_largest_piece():
     assert [piece_frames(i, 4, 64) for i in range(7)] == [4, 8, 16, 32, 64, 64, 64]
 
@@ -65,22 +83,11 @@ def test_pieces_of_several_streams_decode_together_like_each_alone(engine):
     codes = [torch.randint(0, 1024, (1, codec.n_rows, 30), generator=torch.Generator().manual_seed(10 + i)) for i in range(5)]
     pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)  # two pieces a batch
     assert pieces.max_rows == 2
-    streams, out, at = [CodecStream() for _ in codes], [[] for _ in codes], [0] * len(codes)
     starts = [0, 0, 1, 3, 3]  # later streams join while earlier ones are on longer pieces
-    rounds = 0
     with torch.inference_mode():
-        while any(a < 30 for a in at):
-            batch = []
-            for i in range(len(codes)):
-                if rounds >= starts[i] and at[i] < 30:
-                    n = min(pieces.next_frames(streams[i]), 30 - at[i])
-                    batch.append((i, codes[i][..., at[i] : at[i] + n]))
-                    at[i] += n
-            for (i, _), audio in zip(batch, pieces.push_many([(streams[i], c) for i, c in batch])):
-                out[i].append(audio)
-            rounds += 1
+        out = _streamed_in_rounds(pieces, codes, starts)
         for i in range(len(codes)):
-            torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)
+            torch.testing.assert_close(out[i], codec.decode(codes[i]), atol=1e-4, rtol=0)
 
 
 def test_fronts_at_one_piece_index_and_backs_of_one_length_run_as_batches(engine, monkeypatch):
@@ -146,23 +153,12 @@ def test_full_length_fronts_at_different_indices_share_a_batch_past_the_window(m
         sorted(s.pieces for s in streams)) or call(self, streams, codes))
     lengths, starts = (26, 19, 30, 23), (0, 1, 2, 4)
     codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(60 + n)) for n in lengths]
-    streams, out, at = [CodecStream() for _ in codes], [[] for _ in codes], [0] * len(codes)
-    rounds = 0
     with torch.inference_mode():
-        while any(a < n for a, n in zip(at, lengths)):
-            batch = []
-            for i, n in enumerate(lengths):
-                if rounds >= starts[i] and at[i] < n:
-                    m = min(pieces.next_frames(streams[i]), n - at[i])
-                    batch.append((i, codes[i][..., at[i] : at[i] + m]))
-                    at[i] += m
-            for (i, _), audio in zip(batch, pieces.push_many([(streams[i], c) for i, c in batch])):
-                out[i].append(audio)
-            rounds += 1
+        out = _streamed_in_rounds(pieces, codes, starts)
         assert any(len(set(b)) > 1 for b in batches) and max(len(b) for b in batches) == 3
         assert max(max(b) for b in batches) > 3  # pieces well past the 6-frame window
         for i in range(len(codes)):
-            torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)
+            torch.testing.assert_close(out[i], codec.decode(codes[i]), atol=1e-4, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -181,18 +177,7 @@ def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeyp
     lengths, starts = (26, 19, 30, 23, 9), (0, 1, 2, 4, 4)
     codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(70 + n)).cuda()
              for n in lengths]
-    streams, out, at = [CodecStream() for _ in codes], [[] for _ in codes], [0] * len(codes)
-    rounds = 0
     with torch.inference_mode():
-        while any(a < n for a, n in zip(at, lengths)):
-            batch = []
-            for i, n in enumerate(lengths):
-                if rounds >= starts[i] and at[i] < n:
-                    m = min(pieces.next_frames(streams[i]), n - at[i])
-                    batch.append((i, codes[i][..., at[i] : at[i] + m]))
-                    at[i] += m
-            for (i, _), audio in zip(batch, pieces.push_many([(streams[i], c) for i, c in batch])):
-                out[i].append(audio)
-            rounds += 1
+        out = _streamed_in_rounds(pieces, codes, starts)
         for i in range(len(codes)):
-            torch.testing.assert_close(torch.cat(out[i], dim=-1), codec.decode(codes[i]), atol=1e-4, rtol=0)
+            torch.testing.assert_close(out[i], codec.decode(codes[i]), atol=1e-4, rtol=0)
