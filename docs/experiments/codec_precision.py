@@ -23,6 +23,8 @@ import collections, contextlib, copy, gc, json, math, os, sys, time
 import numpy as np
 import torch
 
+from experiment_tools import kernels_ms, synchronised
+
 from fish_sm.engine import Engine
 from fish_sm.engine.codec_stream import CodecStream, ConvBack, StreamingCodec, decode_in_pieces
 
@@ -65,18 +67,6 @@ def setting(name):
 spent = collections.defaultdict(float)
 
 
-def timed(name, fn):
-    def run(*a, **k):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            torch.cuda.synchronize()
-            spent[name] += time.perf_counter() - t
-    return run
-
-
 def stream_all(sc: StreamingCodec) -> float:
     streams = [CodecStream() for _ in range(n)]
     torch.cuda.synchronize()
@@ -104,24 +94,21 @@ for name in variants:
         walls = [stream_all(sc) for _ in range(3)]
         spent.clear()
         fronts, back = sc._fronts, sc.back.forward
-        sc._fronts, sc.back.forward = timed("fronts", fronts), timed("back", back)
+        sc._fronts, sc.back.forward = synchronised(spent, "fronts", fronts), synchronised(spent, "back", back)
         split_wall = stream_all(sc)
         sc._fronts, sc.back.forward = fronts, back
         audio = decode_in_pieces(sc, codes[0]).float()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             stream_all(sc)
-        by_name = collections.Counter()
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                by_name[e.name[:80]] += e.device_time_total
+        by_name = kernels_ms(prof, 80)
     err = audio - reference
     row = {"capture_s": round(capture_s, 1), "wall_s": [round(w, 4) for w in walls],
            "frames_per_s_median": round(n * frames / sorted(walls)[1]),
            "split_s": {"wall": round(split_wall, 4), **{k: round(v, 4) for k, v in spent.items()}},
            "snr_db": round(10 * math.log10(reference.pow(2).sum().item() / max(err.pow(2).sum().item(), 1e-30)), 2),
            "max_abs": float(err.abs().max()),
-           "kernel_ms": round(sum(by_name.values()) / 1e3, 1),
-           "top_kernels_ms": [(k, round(v / 1e3, 1)) for k, v in by_name.most_common(8)]}
+           "kernel_ms": round(sum(by_name.values()), 1),
+           "top_kernels_ms": [(k, round(v, 1)) for k, v in by_name.most_common(8)]}
     out["variants"][name] = row
     print(json.dumps({"variant": name, **{k: v for k, v in row.items() if k != "top_kernels_ms"}}), flush=True)
     for kernel, ms in row["top_kernels_ms"]:

@@ -12,6 +12,8 @@ import collections, json, os, sys, time
 import numpy as np
 import torch
 
+from experiment_tools import kernels_ms, synchronised
+
 from fish_sm.engine import Engine
 from fish_sm.engine.batching import CodecWorker, Job, Ticket
 
@@ -27,18 +29,6 @@ out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "capt
 rng = np.random.default_rng(0)
 codes = [rng.integers(0, 1024, size=(engine.config.num_codebooks, frames)) for _ in range(n)]
 spent = collections.defaultdict(float)
-
-
-def timed(name, fn):
-    def run(*a, **k):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            torch.cuda.synchronize()
-            spent[name] += time.perf_counter() - t
-    return run
 
 
 def one_run(label: str, profile: bool = False) -> dict:
@@ -63,12 +53,9 @@ def one_run(label: str, profile: bool = False) -> dict:
     result = {"run": label, "wall_s": wall, "frames_per_s": n * frames / wall, "first_audio_ms_max": max(firsts) * 1e3}
     if prof:
         prof.__exit__(None, None, None)
-        by_name = collections.Counter()
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                by_name[e.name[:90]] += e.device_time_total
-        result["kernel_ms_total"] = sum(by_name.values()) / 1e3
-        result["top"] = [(k, v / 1e3) for k, v in by_name.most_common(12)]
+        by_name = kernels_ms(prof)
+        result["kernel_ms_total"] = sum(by_name.values())
+        result["top"] = by_name.most_common(12)
     return result
 
 
@@ -79,9 +66,9 @@ for label in ("plain", "plain", "profiled"):
     for row in r.get("top", []):
         print("   ", row, flush=True)
 codec = worker.codec
-codec._fronts = timed("fronts", codec._fronts)
-codec.back.forward = timed("back", codec.back.forward)
-CodecWorker._pieces = timed("pieces_total", CodecWorker._pieces)
+codec._fronts = synchronised(spent, "fronts", codec._fronts)
+codec.back.forward = synchronised(spent, "back", codec.back.forward)
+CodecWorker._pieces = synchronised(spent, "pieces_total", CodecWorker._pieces)
 r = one_run("synchronised")
 r["seconds"] = dict(spent)
 out["runs"].append(r)

@@ -1,6 +1,6 @@
 """What several experiments here share. Not part of the package. Scripts run as
 `python docs/experiments/NAME.py` find it on sys.path (the script's own folder)."""
-import json, statistics, time
+import collections, json, statistics, time
 
 import torch
 
@@ -22,6 +22,28 @@ def graphed_us(fn, calls=100):
         g.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / (5 * calls) * 1e6
+
+
+def synchronised(spent: dict, name: str, fn):
+    """`fn`, its wall time with the GPU synchronized before and after added to spent[name]."""
+    def run(*a, **k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            torch.cuda.synchronize()
+            spent[name] += time.perf_counter() - t
+    return run
+
+
+def kernels_ms(prof, width: int = 90) -> collections.Counter:
+    """A finished CUDA profile's kernel time in ms by name (cut to `width` characters)."""
+    by_name = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name[:width]] += e.device_time_total / 1e3
+    return by_name
 
 
 def compiled_batcher(checkpoint: str, most_streams: int) -> tuple:
