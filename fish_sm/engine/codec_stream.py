@@ -273,8 +273,8 @@ class RowsGraph:
     def __call__(self, rows: list[tuple[list, list[Tensor]]], codes: Tensor) -> tuple[Tensor, list[Tensor]]:
         b = len(rows)
         torch._foreach_copy_([t[i : i + 1] for i in range(b) for t in self.inputs], [t for r in rows for t in r[1]])
-        for j, start in enumerate(self.starts):  # non-blocking: staged at once, no wait on the GPU
-            start[:b].copy_(torch.tensor([r[0][j] for r in rows]), non_blocking=True)
+        for j, start in enumerate(self.starts):  # pinned, asynchronous: no wait on the GPU (see to_device)
+            start[:b].copy_(torch.tensor([r[0][j] for r in rows], pin_memory=True), non_blocking=True)
         self.codes[:b].copy_(codes)
         self.graph.replay()
         # Copies: the next replay overwrites the graph's outputs.

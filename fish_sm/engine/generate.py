@@ -367,9 +367,22 @@ def _fill(buffers: dict[str, Tensor], **values: Tensor) -> None:
         buffers[name][: value.shape[0]].copy_(value, non_blocking=True)
 
 
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device` without a synchronous copy (CUDA: staged in pinned memory,
+    then copied asynchronously on the current stream). A pageable copy waits in the driver
+    for the stream's queued work, and while it waits other threads' CUDA calls can block
+    too: the codec thread's pageable copies held the decode loop's event records for a
+    whole codec batch (~30 ms; thirteenth pass, decode_stalls.py)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class HostCopy:
-    """A tensor copied to the host without waiting for it (CUDA): the host reads frame i
-    (the stop check) while frame i+1 is already queued on the GPU."""
+    """A tensor copied to the host without waiting for it (CUDA, into pinned memory): the
+    host reads frame i (the stop check) while frame i+1 is already queued on the GPU; and
+    waiting for it (`get`) blocks no other thread's CUDA calls, as a pageable copy can
+    (see `to_device`)."""
 
     def __init__(self, tensor: Tensor):
         if tensor.is_cuda:

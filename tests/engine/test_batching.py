@@ -8,7 +8,7 @@ import torch
 
 from fish_sm.engine import Engine
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job, Overloaded, Ticket, batch_sizes
-from fish_sm.engine.generate import admission_shape
+from fish_sm.engine.generate import HostCopy, admission_shape, to_device
 from fish_sm.engine.sampling import SamplingParams
 
 TEXTS = [
@@ -277,3 +277,16 @@ def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled
     assert worker._decode_next()
     assert all(len(events[f"ending{i}"]) == 2 for i in range(3))
     assert not worker._decode_next()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_host_copies_both_ways_keep_values_and_use_pinned_memory(device):
+    """What the decode loop and the codec thread copy between host and GPU: on CUDA through
+    pinned memory, asynchronously (a pageable copy stalled the other thread's CUDA calls)."""
+    x = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+    on = to_device(x, torch.device(device))
+    back = HostCopy(on * 2)
+    assert on.device.type == device and torch.equal(on.cpu(), x)
+    assert torch.equal(back.get(), x * 2)
+    assert back.get().is_pinned() == (device == "cuda")
