@@ -293,17 +293,18 @@ class CausalConvTranspose1d(nn.Module):
             x = torch.cat([context, x], dim=-1)
             state[self] = x[..., 1 - self.taps :].clone()  # not a view of x (see CausalConv1d)
         y = conv_2d(x, self.phases_2d if x.dim() == 4 and self.phases_2d is not None else self.phases())
-        b, t, height = y.shape[0], y.shape[-1], y.shape[2:-1]
-        y = y.reshape(b, -1, self.stride, t).transpose(2, 3).reshape(b, -1, *height, n)
+        # Phase-major channels: over channels-last [B, C, 1, T] this interleave is a view, so
+        # the block after it stays channels-last (cuDNN converts no layouts around its convs).
+        y = y.unflatten(1, (self.stride, -1)).movedim(1, -1).flatten(-2)
         return y + self.conv.bias.view(-1, *[1] * (y.dim() - 2))
 
     def phases(self) -> Tensor:
-        """The weight as an ordinary conv's, [c_out * stride, c_in, taps]: row c * stride + r
-        is output channel c's phase r, tap k reads the input taps - 1 - k steps back."""
+        """The weight as an ordinary conv's, [stride * c_out, c_in, taps]: row r * c_out + c is
+        output channel c's phase r, tap k reads the input taps - 1 - k steps back."""
         w = self.conv.weight  # [c_in, c_out, kernel]
         c_in, c_out, kernel = w.shape
         w = F.pad(w, (0, self.taps * self.stride - kernel)).view(c_in, c_out, self.taps, self.stride)
-        return w.permute(1, 3, 0, 2).flip(-1).reshape(c_out * self.stride, c_in, self.taps)
+        return w.permute(3, 1, 0, 2).flip(-1).reshape(self.stride * c_out, c_in, self.taps)
 
 
 def _run(layers: nn.ModuleList, x: Tensor, state: State) -> Tensor:
