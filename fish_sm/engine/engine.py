@@ -23,7 +23,7 @@ from torch import Tensor
 
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.engine.audio import AudioInput, load_reference_audio
-from fish_sm.engine.generate import GraphedStep, decode_frame, generate_frames
+from fish_sm.engine.generate import GraphedStep, HostCopy, decode_frame, generate_frames, to_device
 from fish_sm.engine.prompt import chunk_prompt
 from fish_sm.engine.sampling import SamplingParams
 from fish_sm.engine.text import split_text
@@ -178,8 +178,10 @@ class Engine:
         if np.abs(samples).max() < SILENCE_PEAK:
             raise InputError("the reference audio is silent")
         with torch.inference_mode():
-            x = torch.from_numpy(samples).to(self.device, self.codec_dtype)[None]
-            codes = self.codec.encode(x)[0].cpu()
+            # Pinned copies both ways (`to_device`, `HostCopy`): the batching server encodes
+            # on a thread beside its decode loop, which a pageable copy's wait would stall.
+            x = to_device(torch.from_numpy(samples), self.device).to(self.codec_dtype)[None]
+            codes = HostCopy(self.codec.encode(x)[0]).get().clone()
         self._references[key] = codes
         if len(self._references) > self._reference_cache_size:
             self._references.popitem(last=False)
