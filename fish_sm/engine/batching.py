@@ -753,8 +753,8 @@ class CodecWorker:
     def _pieces(self, ready: list[tuple["_Audio", list[np.ndarray]]]) -> list[np.ndarray]:
         dev = self.engine.device
         # Host copies through pinned memory (`to_device`, `HostCopy`): a pageable `.cpu()` here
-        # waited for the whole batch inside the driver, and the decode loop's CUDA calls
-        # waited with it (a ~30 ms stall per large batch, 0.4 s of 1.3 at 32 streams).
+        # waited for the whole batch inside the driver, and the decode loop's CUDA calls (its
+        # event records) waited with it, ~30 ms a large batch (thirteenth pass, decode_stalls.py).
         pieces = [(entry.stream, to_device(torch.from_numpy(np.stack(frames, axis=1))[None], dev)) for entry, frames in ready]
         saved = [entry.stream.snapshot() for entry, _ in ready]
         try:
