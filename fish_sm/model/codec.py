@@ -232,6 +232,21 @@ def conv_2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, dilation: 
     return F.conv2d(x, weight if weight.dim() == 4 else weight[:, :, None], bias, dilation=(1, dilation), groups=groups)
 
 
+def _with_context(owner: nn.Module, x: Tensor, state: dict, n: int) -> Tensor:
+    """A streaming conv's input with the `n` inputs before it in front (zeros at a stream's
+    start), its own last `n` kept in `state[owner]` for the next call."""
+    if not n:
+        return x
+    context = state.get(owner)
+    if context is None:
+        context = x.new_zeros(*x.shape[:-1], n)
+    x = torch.cat([context, x], dim=-1)
+    # A copy, not a view: a view would keep this call's whole input alive as long as the
+    # state (in a captured graph, for good: 13 GiB of a batching server's graph pool).
+    state[owner] = x[..., -n:].clone()
+    return x
+
+
 class CausalConv1d(nn.Module):
     """Conv padded only on the left, so output t sees inputs up to t (upstream `CausalConvNet`)."""
 
@@ -251,14 +266,7 @@ class CausalConv1d(nn.Module):
             # Upstream also pads on the right up to a whole number of strides.
             return self.conv(F.pad(x, (self.left, -x.shape[-1] % self.stride)))
         assert self.stride == 1, "streaming only runs stride-1 convs"
-        if self.left:
-            context = state.get(self)
-            if context is None:
-                context = x.new_zeros(*x.shape[:-1], self.left)
-            x = torch.cat([context, x], dim=-1)
-            # A copy, not a view: a view would keep this call's whole input alive as long as the
-            # state (in a captured graph, for good: 13 GiB of a batching server's graph pool).
-            state[self] = x[..., -self.left :].clone()
+        x = _with_context(self, x, state, self.left)
         weight = self.weight_2d if x.dim() == 4 and self.weight_2d is not None else self.conv.weight
         return conv_2d(x, weight, self.conv.bias, self.conv.dilation[0], self.conv.groups)
 
@@ -286,12 +294,7 @@ class CausalConvTranspose1d(nn.Module):
         # a forward conv, where a transposed conv is its slower backward-data kernel (~6x the
         # time per FLOP in the batching codec's back), and the carried state is the last
         # taps - 1 inputs, like a causal conv's.
-        if self.taps > 1:
-            context = state.get(self)
-            if context is None:
-                context = x.new_zeros(*x.shape[:-1], self.taps - 1)
-            x = torch.cat([context, x], dim=-1)
-            state[self] = x[..., 1 - self.taps :].clone()  # not a view of x (see CausalConv1d)
+        x = _with_context(self, x, state, self.taps - 1)
         y = conv_2d(x, self.phases_2d if x.dim() == 4 and self.phases_2d is not None else self.phases())
         # Phase-major channels: over channels-last [B, C, 1, T] this interleave is a view, so
         # the block after it stays channels-last (cuDNN converts no layouts around its convs).
