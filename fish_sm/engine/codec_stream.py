@@ -104,6 +104,23 @@ def _unstack(state: State, streams: list[CodecStream]) -> None:
         stream.state = _rebuild(layout, [t[i : i + 1] for t in tensors])
 
 
+def _captured_decode(codec: Codec, codes: Tensor, state: State, warm_up: State, pool) -> tuple:
+    """`codec.quantizer.decode(codes, state)` captured as a CUDA graph, after one run outside
+    it on `warm_up`, a copy of the state (cuDNN plans, workspaces): (graph, its latents);
+    `state` then holds the graph's output state."""
+    device = codes.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        codec.quantizer.decode(codes, warm_up)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the decode loop keeps launching on its own thread while this captures.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        latents = codec.quantizer.decode(codes, state)
+    return graph, latents
+
+
 class PieceGraph:
     """Piece k's front for up to `rows` streams as one CUDA graph: static codes and state
     in, latents and state out (spare rows run on stale inputs; their results are dropped)."""
@@ -113,16 +130,9 @@ class PieceGraph:
         self.layout, inputs = _flatten(template)
         self.inputs = [t.expand(rows, *t.shape[1:]).clone() for t in inputs]
         self.codes = torch.zeros(rows, codec.n_rows, frames, dtype=torch.long, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up outside the graph: cuDNN plans, workspaces
-            codec.quantizer.decode(self.codes, _rebuild(self.layout, [t.clone() for t in self.inputs]))
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
         state = _rebuild(self.layout, self.inputs)
-        # thread_local: the decode loop keeps launching on its own thread while this captures.
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.latents = codec.quantizer.decode(self.codes, state)
+        self.graph, self.latents = _captured_decode(codec, self.codes, state,
+                                                    _rebuild(self.layout, [t.clone() for t in self.inputs]), pool)
         self.out_layout, self.outputs = _flatten(state)
 
     def __call__(self, streams: list[CodecStream], codes: Tensor) -> Tensor:
@@ -256,16 +266,9 @@ class RowsGraph:
         self.like = template
         self.starts, self.inputs = _split(template)
         self.codes = torch.zeros(rows, codec.n_rows, frames, dtype=torch.long, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up outside the graph: cuDNN plans, workspaces
-            codec.quantizer.decode(self.codes, _assemble(template, [t.clone() for t in self.starts],
-                                                         [t.clone() for t in self.inputs]))
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
         state = _assemble(template, self.starts, self.inputs)
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.latents = codec.quantizer.decode(self.codes, state)
+        warm_up = _assemble(template, [t.clone() for t in self.starts], [t.clone() for t in self.inputs])
+        self.graph, self.latents = _captured_decode(codec, self.codes, state, warm_up, pool)
         self.outputs = _split(state)[1]
         # The RoPE table it reads, kept alive should the transformer regrow its own.
         self.table = None if codec.quantizer.post_module is None else codec.quantizer.post_module._rope
