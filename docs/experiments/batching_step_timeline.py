@@ -11,6 +11,8 @@ import json, os, statistics, sys, time
 
 import torch
 
+from experiment_tools import timed_calls
+
 from fish_sm.engine import Engine, generate
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job
 from fish_sm.engine.benchmark import BATCH_TEXTS, batching_level
@@ -23,13 +25,7 @@ record = {"decode_step": [], "check": [], "get_wait": [], "replays": []}
 
 
 def timed(name, fn):
-    def run(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            record[name].append(time.perf_counter() - t0)
-    return run
+    return timed_calls(fn, lambda t0, t1: record[name].append(t1 - t0))
 
 
 BatchEngine._decode_step = timed("decode_step", BatchEngine._decode_step)

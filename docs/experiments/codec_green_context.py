@@ -17,7 +17,7 @@ import json, os, sys, time
 import torch
 from torch.cuda import green_contexts
 
-from experiment_tools import compiled_batcher, settings_in_turns
+from experiment_tools import capture_on, compiled_batcher, recapture_codec, settings_in_turns
 
 checkpoint = sys.argv[1]
 sms = (sys.argv[2] if len(sys.argv) > 2 else "all,66,88,all2").split(",")
@@ -91,28 +91,15 @@ if not isinstance(confined, float) or confined < 3 * probe["graph, ordinary stre
 batcher, record = compiled_batcher(checkpoint, max(streams))
 out.update(record)
 worker, shipped = batcher._codec, batcher._codec._cuda
-retired = []
+retired = []  # replaced graphs stay alive (see recapture_codec)
 
 
 def recapture(stream: torch.cuda.Stream) -> None:
-    """The codec's graphs captured again on `stream` (kernels in a graph keep to the SMs of
-    the green context it was captured in), and the codec thread's work put on it."""
-    sc = worker.codec
-    # The old graphs stay alive (dropping every graph of a pool trips an allocator assert
-    # when it is captured into again); the new ones go to a pool of their own.
-    retired.append((dict(sc.graphs), dict(sc.full.graphs), dict(sc.back.graphs)))
-    sc.graphs.clear(), sc.full.graphs.clear(), sc.back.graphs.clear()
-    sc._pool = sc.full._pool = torch.cuda.graph_pool_handle()
-    torch.cuda.synchronize()
-    before, torch.cuda.graph.default_capture_stream = torch.cuda.graph.default_capture_stream, stream
-    try:
-        worker._cuda = stream
-        t0 = time.perf_counter()
-        worker.capture(pieces=12)
-        out.setdefault("recapture_s", []).append(round(time.perf_counter() - t0, 1))
-    finally:
-        torch.cuda.graph.default_capture_stream = before
-    torch.cuda.synchronize()
+    """The codec's graphs captured again on `stream`, and the codec thread's work put on it."""
+    worker._cuda = stream
+    t0 = time.perf_counter()
+    capture_on(stream, lambda: recapture_codec(worker, retired))
+    out.setdefault("recapture_s", []).append(round(time.perf_counter() - t0, 1))
 
 
 settings = {}

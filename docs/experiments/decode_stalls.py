@@ -13,7 +13,7 @@ import collections, json, os, statistics, sys, threading, time
 
 import torch
 
-from experiment_tools import compiled_batcher
+from experiment_tools import compiled_batcher, timed_calls
 
 from fish_sm.engine import generate
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job
@@ -30,13 +30,7 @@ replays: list = []  # (start, host end, CUDA start event, CUDA end event, rows)
 
 
 def timed(name, fn):
-    def run(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            spans.append((threading.current_thread().name, name, t0, time.perf_counter()))
-    return run
+    return timed_calls(fn, lambda t0, t1: spans.append((threading.current_thread().name, name, t0, t1)))
 
 
 for owner, names in ((BatchEngine, ("_decode_step", "_check", "_hand_over", "_start_chunks", "_take_waiting")),

@@ -37,6 +37,40 @@ def synchronised(spent: dict, name: str, fn):
     return run
 
 
+def timed_calls(fn, done):
+    """`fn`, calling done(start, end) (time.perf_counter) after each of its calls."""
+    def run(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            done(t0, time.perf_counter())
+    return run
+
+
+def capture_on(stream, fn) -> None:
+    """`fn` with `stream` current and as the stream `torch.cuda.graph` captures on (a graph's
+    kernels keep to the SMs of the green context whose stream it was captured on)."""
+    before, torch.cuda.graph.default_capture_stream = torch.cuda.graph.default_capture_stream, stream
+    try:
+        with torch.cuda.stream(stream):
+            fn()
+    finally:
+        torch.cuda.graph.default_capture_stream = before
+    torch.cuda.synchronize()
+
+
+def recapture_codec(worker, retired: list) -> None:
+    """A batching engine's `CodecWorker` graphs captured again (on the current stream, see
+    `capture_on`), into a pool of their own; the old ones kept alive in `retired` (dropping
+    every graph of a pool trips an allocator assert when it is captured into again)."""
+    sc = worker.codec
+    retired.append((dict(sc.graphs), dict(sc.full.graphs), dict(sc.back.graphs)))
+    sc.graphs.clear(), sc.full.graphs.clear(), sc.back.graphs.clear()
+    sc._pool = sc.full._pool = torch.cuda.graph_pool_handle()
+    worker.capture(pieces=12)
+
+
 def kernels_ms(prof, width: int = 90) -> collections.Counter:
     """A finished CUDA profile's kernel time in ms by name (cut to `width` characters)."""
     by_name = collections.Counter()

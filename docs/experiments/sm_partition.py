@@ -17,7 +17,7 @@ import ctypes, json, os, statistics, sys, time
 
 import torch
 
-from experiment_tools import compiled_batcher, settings_in_turns
+from experiment_tools import capture_on, compiled_batcher, recapture_codec, settings_in_turns
 
 checkpoint = sys.argv[1]
 names = (sys.argv[2] if len(sys.argv) > 2 else "all,66,80,96").split(",")
@@ -64,16 +64,6 @@ shipped = (batcher.decode_stream, worker._cuda)
 retired = []  # replaced graphs stay alive (dropping a whole pool's graphs trips an allocator assert)
 
 
-def capture_on(stream, fn) -> None:
-    before, torch.cuda.graph.default_capture_stream = torch.cuda.graph.default_capture_stream, stream
-    try:
-        with torch.cuda.stream(stream):
-            fn()
-    finally:
-        torch.cuda.graph.default_capture_stream = before
-    torch.cuda.synchronize()
-
-
 def recapture_decode() -> None:
     retired.append((dict(step.graphs), dict(step.admissions)))
     step.pool = torch.cuda.graph_pool_handle()
@@ -84,14 +74,6 @@ def recapture_decode() -> None:
             step.capture(*key)
     for batch, width in list(step.admissions):
         step.capture_admission(batch, width)
-
-
-def recapture_codec() -> None:
-    sc = worker.codec
-    retired.append((dict(sc.graphs), dict(sc.full.graphs), dict(sc.back.graphs)))
-    sc.graphs.clear(), sc.full.graphs.clear(), sc.back.graphs.clear()
-    sc._pool = sc.full._pool = torch.cuda.graph_pool_handle()
-    worker.capture(pieces=12)
 
 
 def decode_step_ms(stream, rows: int = 32) -> float:
@@ -114,7 +96,7 @@ def apply(name: str) -> None:
         decode, codec = shipped
         if name != names[0]:  # back to the primary context's streams
             batcher.decode_stream, worker._cuda = decode, codec
-            capture_on(decode, recapture_decode), capture_on(codec, recapture_codec)
+            capture_on(decode, recapture_decode), capture_on(codec, lambda: recapture_codec(worker, retired))
         out.setdefault("sms", {})[name] = "all"
     else:
         decode, codec, counts = split_streams(int(name))
@@ -122,7 +104,7 @@ def apply(name: str) -> None:
         t0 = time.perf_counter()
         batcher.decode_stream, worker._cuda = decode, codec
         capture_on(decode, recapture_decode)
-        capture_on(codec, recapture_codec)
+        capture_on(codec, lambda: recapture_codec(worker, retired))
         out.setdefault("recapture_s", {})[name] = round(time.perf_counter() - t0, 1)
     ms = [decode_step_ms(decode) for _ in range(3)]
     out.setdefault("decode_step_ms_alone", {})[name] = round(statistics.median(ms), 3)
