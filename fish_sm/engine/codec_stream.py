@@ -28,6 +28,7 @@ piece of 12 frames ran the back over 64: a fifth of its back's work, wasted; ele
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -284,6 +285,16 @@ class RowsGraph:
         return self.latents[:b].clone(), torch._foreach_mul([t[:b] for t in self.outputs], 1)
 
 
+@contextmanager
+def cudnn_benchmark():
+    """cuDNN's benchmark mode, for this block only (it is process-wide)."""
+    before, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
 class ConvBack(nn.Module):
     """The conv decoder as a pure function of (latents, carried context): what lets pieces
     of different requests share one batch, and lets inductor compile it once for any batch
@@ -333,12 +344,19 @@ class ConvBack(nn.Module):
         return audio, [state[m] for m in self.stateful]
 
     def capture(self, rows: int, frames: int, pool) -> None:
-        """A graph for `rows` pieces of `frames` code frames (after the compiled code has run them)."""
+        """A graph for `rows` pieces of `frames` code frames (after the compiled code has run them).
+
+        cuDNN picks each conv's kernel by timing its candidates (benchmark mode) in the run
+        before the capture, which the capture then finds in its cache: its heuristics' picks
+        for these channels-last shapes were slower (the back 0.29 s instead of 0.36 s for 32
+        streams of 200 frames on an H100, docs/benchmarks.md, fourteenth pass), for a longer
+        start-up (the codec's captures: 65 s became 116 s there)."""
         latents, contexts = self.silence(rows, frames), self.initial(rows)
-        self._run(latents, contexts)  # compiled for this shape, and warmed up, outside the graph
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            audio, new = self._run(latents, contexts)
+        with cudnn_benchmark():
+            self._run(latents, contexts)  # compiled for this shape, and warmed up, outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                audio, new = self._run(latents, contexts)
         self.graphs[(rows, latents.shape[-1])] = (graph, latents, contexts, audio, new)
 
     def forward(self, latents: Tensor, contexts: list[Tensor]) -> tuple[Tensor, list[Tensor]]:

@@ -226,10 +226,30 @@ def conv_2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, dilation: 
     """A streaming conv over [B, C, T], or over [B, C, 1, T] as a 2-D conv of height 1: in
     channels-last memory, cuDNN's kernels then read and write it as they are, where 1-D
     convs convert every input and output between layouts (the batching codec's back: 12%
-    faster on an H100). `weight`: 1-D, or already 2-D (see `prepare_2d`)."""
+    faster on an H100). `weight`: 1-D, or already 2-D (see `prepare_2d`); a dilated conv's
+    2-D weight with its taps along the height runs as `_dilated_as_phases`."""
     if x.dim() == 3:
         return F.conv1d(x, weight, bias, dilation=dilation, groups=groups)
-    return F.conv2d(x, weight if weight.dim() == 4 else weight[:, :, None], bias, dilation=(1, dilation), groups=groups)
+    if weight.dim() == 3:
+        weight = weight[:, :, None]
+    if dilation > 1 and weight.shape[-1] == 1 and weight.shape[-2] > 1:
+        return _dilated_as_phases(x, weight, bias, dilation, groups)
+    return F.conv2d(x, weight, bias, dilation=(1, dilation), groups=groups)
+
+
+def _dilated_as_phases(x: Tensor, weight: Tensor, bias: Optional[Tensor], dilation: int, groups: int) -> Tensor:
+    """A conv of dilation d over [B, C, 1, T] as an undilated one over [B, C, T/d, d]: column r
+    holds samples r, r + d, r + 2d..., so taps one row apart are d samples apart. In
+    channels-last memory both shapes are views of the same [B, T, C] buffer (after padding T
+    to a multiple of d; the outputs that read the padding are dropped). cuDNN has no NHWC
+    kernel for dilated convs: it ran them through NCHW kernels and layout conversions, 40% of
+    the batching codec's conv time on an H100 (docs/benchmarks.md, fourteenth pass).
+    `weight` [C_out, C_in / groups, taps, 1]."""
+    n = x.shape[-1]
+    rows = (n + dilation - 1) // dilation
+    x = F.pad(x, (0, rows * dilation - n)).flatten(2).unflatten(-1, (rows, dilation))
+    y = F.conv2d(x, weight, bias, groups=groups).flatten(2)[:, :, None]
+    return y[..., : n - (weight.shape[-2] - 1) * dilation]
 
 
 def _with_context(owner: nn.Module, x: Tensor, state: dict, n: int) -> Tensor:
@@ -258,8 +278,12 @@ class CausalConv1d(nn.Module):
         self.weight_2d: Optional[Tensor] = None  # see `prepare_2d`
 
     def prepare_2d(self) -> None:
-        """Keep a channels-last copy of the weight for streaming over [B, C, 1, T]."""
-        self.weight_2d = self.conv.weight[:, :, None].contiguous(memory_format=torch.channels_last)
+        """Keep a channels-last copy of the weight for streaming over [B, C, 1, T] (a dilated
+        conv's with its taps along the height: see `conv_2d`)."""
+        w = self.conv.weight[:, :, None]
+        if self.conv.dilation[0] > 1:
+            w = w.transpose(2, 3)
+        self.weight_2d = w.contiguous(memory_format=torch.channels_last)
 
     def forward(self, x: Tensor, state: State = None) -> Tensor:
         if state is None:

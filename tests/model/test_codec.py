@@ -14,6 +14,8 @@ from fish_sm.errors import CheckpointError, ConfigError
 from fish_sm.model.codec import (
     Codec,
     CodecConfig,
+    CausalConv1d,
+    ResidualUnit,
     build_codec_state_dict,
     codec_from_state_dict,
     fold_weight_norm,
@@ -265,6 +267,51 @@ def test_streaming_reset_and_batch_check(codec, codes, reference_audio):
     assert stream.push(codes[:, :, :0]).shape == (2, 0)
     with pytest.raises(ValueError):
         stream.push(codes[:1, :, :1])
+
+
+@pytest.mark.parametrize("dilation", [1, 3, 9])
+def test_streaming_conv_over_channels_last_2d_tensors_matches_the_1d_conv(dilation):
+    """The [B, C, 1, T] path (a dilated conv as an undilated one over its phases) gives the
+    1-D conv's outputs, piece after piece, at lengths that are and are not multiples of d."""
+    torch.manual_seed(dilation)
+    conv = CausalConv1d(6, 5, 7, dilation=dilation)
+    x = torch.randn(2, 6, 61)
+    plain_state, state_2d = {}, {}
+    plain, flat = [], []
+    for a, b in ((0, 18), (18, 27), (27, 61)):
+        plain.append(conv(x[..., a:b], plain_state))
+        if conv.weight_2d is None:
+            conv.prepare_2d()
+        piece = x[..., a:b][:, :, None].contiguous(memory_format=torch.channels_last)
+        flat.append(conv(piece, state_2d)[:, :, 0])
+        conv.weight_2d = None  # the 1-D call next time
+    assert torch.allclose(torch.cat(flat, -1), torch.cat(plain, -1), atol=1e-5)
+    assert torch.allclose(torch.cat(plain, -1), conv(x), atol=1e-5)
+
+
+def test_dilated_phase_conv_compiles_for_any_length():
+    """Compiled with the batch and piece length dynamic, as the batching codec's back is, it
+    gives the eager results."""
+    torch.manual_seed(0)
+    unit = ResidualUnit(4, 9)
+    conv = unit.block[1]
+    conv.prepare_2d()
+    unit.block[3].prepare_2d()
+
+    def step(x, context):
+        state = {conv: context}
+        return unit(x, state), state[conv]
+
+    compiled = torch.compile(step, fullgraph=True)
+    for b, n in ((2, 16), (3, 40), (1, 27)):
+        context = torch.randn(b, 4, 1, conv.left).contiguous(memory_format=torch.channels_last)
+        x = torch.randn(b, 4, 1, n).contiguous(memory_format=torch.channels_last)
+        for t, dims in ((x, (0, 3)), (context, (0,))):
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        with torch.inference_mode():  # as served (with autograd, inductor cannot order the view's strides)
+            (y, kept), (y_ref, kept_ref) = compiled(x, context), step(x, context)
+        assert y.shape == (b, 4, 1, n) and torch.allclose(y, y_ref, atol=1e-5) and torch.allclose(kept, kept_ref, atol=1e-6)
 
 
 def test_import_pulls_in_no_upstream():
