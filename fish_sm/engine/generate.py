@@ -34,6 +34,9 @@ from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty
 # 362.4 tuned (docs/benchmarks.md, seventh pass).
 PICKERS_TUNED = {"head": False, "residual": False}
 
+# Whether the batching engine's steps pick with `sampling_kernels` (a switch for A/B runs).
+ROW_KERNELS = True
+
 
 def noise_size(model: DualARTransformer) -> int:
     """Exp(1) draws one frame needs: one per head row, then one per residual code of each fast step."""
@@ -64,12 +67,18 @@ def pick_head_kernels(model: DualARTransformer, logits: Tensor, noise: Tensor, t
 
 
 def pick_residual_kernels(model: DualARTransformer, hidden: Tensor, noise: Tensor, temperature: Tensor,
-                          top_p: Tensor, penalty: Tensor, previous: Tensor | None,
-                          next_input: bool) -> tuple[Tensor, Tensor | None]:
-    """`pick_residual` for one row as kernels of our own (`sampling_kernels`), with the next
-    fast step's input (the code's embedding)."""
-    return sampling_kernels.sample_residual(model.fast_logits(hidden), noise, temperature, top_p, penalty, previous,
+                          top_p: Tensor, penalty: Tensor, previous: Tensor | None, next_input: bool,
+                          fast_logits: Callable[[DualARTransformer, Tensor], Tensor] | None = None
+                          ) -> tuple[Tensor, Tensor | None]:
+    """`pick_residual` as kernels of our own (`sampling_kernels`), with the next fast step's
+    input (the code's embedding). `fast_logits`: the fast head as compiled for several rows."""
+    logits = model.fast_logits(hidden) if fast_logits is None else fast_logits(model, hidden)
+    return sampling_kernels.sample_residual(logits, noise, temperature, top_p, penalty, previous,
                                              model.fast_embeddings.weight, next_input)
+
+
+def fast_head_logits(model: DualARTransformer, hidden: Tensor) -> Tensor:
+    return model.fast_logits(hidden)
 
 
 class Pickers(NamedTuple):
@@ -217,6 +226,13 @@ class GraphedStep:
             self.pickers_one = self.pickers_one._replace(head_with_input=pick_head_kernels,
                                                          residual_with_input=pick_residual_kernels)
         self.pickers_many = Pickers(*(compile_decode(f, one_row=False) for f in (pick, pick_residual)))
+        # Several rows: each pick as one kernel a row (`sampling_kernels._pick_rows`) instead of
+        # a sort and ~ten more kernels; the fast head's norm and product still compiled.
+        if sampling_kernels.usable(dev) and ROW_KERNELS:
+            fast_logits = compile_decode(fast_head_logits, one_row=False)
+            self.pickers_many = self.pickers_many._replace(
+                head_with_input=pick_head_kernels,
+                residual_with_input=functools.partial(pick_residual_kernels, fast_logits=fast_logits))
         # Inference tensors, like everything a replay computes: a compiled function sees one
         # kind of tensor from every caller (a buffer made outside inference mode would make
         # dynamo compile each layer half and sampler a second time for it).

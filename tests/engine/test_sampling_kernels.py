@@ -110,3 +110,50 @@ def test_head_kernels_pick_what_the_torch_sampling_picks():
         agree += int(token.item() == want_token and code.item() == want_code)
         assert torch.equal(x[0], table[code.item()])
     assert agree >= 0.98 * trials
+
+
+def _row_params(g, rows: int, top_p: float | None = None):
+    """[rows, 1] temperature, top_p and penalty, each row's own (bf16-rounded as served)."""
+    params = [SamplingParams(temperature=0.1 + 0.9 * torch.rand(1, generator=g).item(),
+                             top_p=top_p or 0.1 + 0.9 * torch.rand(1, generator=g).item(),
+                             repetition_penalty=0.9 + 1.1 * torch.rand(1, generator=g).item()) for _ in range(rows)]
+    return [torch.stack([p.tensors("cuda")[i] for p in params]).view(rows, 1) for i in range(3)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("top_p", [None, 1.0])
+def test_row_kernels_pick_what_the_torch_sampling_picks(top_p):
+    """Several rows (the batching engine's picks): each row's own parameters and penalty ids,
+    bf16 logits (so ties at the nucleus' edge are common), against the sorted torch nucleus."""
+    g = torch.Generator().manual_seed(2)
+    rows, begin, im_end, n_semantic = 32, 1000, 900, 4096
+    table = torch.randn(4096, 1024, generator=g).to("cuda", torch.bfloat16)
+    picks, agree = 0, 0
+    for i in range(20):
+        t, p, r = _row_params(g, rows, top_p)
+        scale = (0.5 + 3 * torch.rand(rows, 1, generator=g))
+        # a residual code
+        logits = (torch.randn(rows, 1024, generator=g) * scale).to("cuda", torch.bfloat16)
+        noise = torch.empty(rows, 1024).exponential_(1, generator=g).cuda()
+        previous = torch.randint(0, 1024, (rows, PENALTY_WINDOW), generator=g).cuda() if i % 2 else None
+        want = pick(logits, noise, t, p, r, previous)
+        code, row = sampling_kernels.sample_residual(logits, noise, t, p, r, previous, table)
+        assert torch.equal(row, table[code])
+        agree, picks = agree + int((code == want).sum()), picks + rows
+        # the slow head, penalty ids read from a window's first frame (a strided view)
+        logits = (torch.randn(rows, n_semantic + 1, generator=g) * scale)
+        logits[::7, -1] = 30.0  # <|im_end|>
+        logits = logits.to("cuda", torch.bfloat16)
+        noise = torch.empty(rows, n_semantic + 1).exponential_(1, generator=g).cuda()
+        window = torch.randint(begin - 50, begin + n_semantic + 50, (rows, 11, PENALTY_WINDOW), generator=g)
+        window[::3, 0, 0] = im_end
+        window = window.cuda() if i % 2 else None
+        prev = None if window is None else head_penalty_indices(window[:, :, 0], begin, n_semantic, im_end)
+        want = pick(logits, noise, t, p, r, prev)
+        token, code, x = sampling_kernels.sample_head(logits, noise, t, p, r, None if window is None else window[:, :, 0],
+                                                      begin, im_end, table)
+        is_end = want == n_semantic
+        agree += int(((token == torch.where(is_end, im_end, want + begin)) & (code == torch.where(is_end, 0, want))).sum())
+        picks += rows
+        assert torch.equal(x, table[code])
+    assert agree >= 0.98 * picks
