@@ -59,7 +59,7 @@ def pick_residual(model: DualARTransformer, hidden: Tensor, noise: Tensor, tempe
 
 def pick_head_kernels(model: DualARTransformer, logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor,
                       penalty: Tensor, window: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The slow head's pick for one row as kernels of our own (`sampling_kernels`): its token,
+    """The slow head's pick as kernels of our own (`sampling_kernels`): its token,
     its code and the code's embedding (the fast transformer's first input)."""
     return sampling_kernels.sample_head(logits, noise, temperature, top_p, penalty,
                                         None if window is None else window[:, :, 0], model.semantic_begin_id,
