@@ -259,3 +259,40 @@ def test_the_targets_table_judges_each_figure_against_its_target():
     assert "0.85x" in rows["decode, INT8 against bf16"] and "-3.8% against its whole synthesis" in rows[
         "batching, bf16: 1 stream (streamed) against the sequential engine, text to last audio"]
     assert "median of 17.3, 14.3, 14.8" in rows["warm start (model_fn, none)"]
+
+
+def test_compiled_steps_at_several_batch_sizes_in_turn_match_eager(tiny_checkpoint):
+    """The several-row code is compiled for the first batch size, then generalised to any (as
+    the batching engine captures 2, 4, ..., 64 rows): every batch size after the first runs the
+    generalised code, which must write the cache and pick as the eager layers do."""
+    from fish_sm.engine.generate import decode_frame, noise_size
+    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+
+    batches = [2, 3, 5, 4]
+    runs = []
+    for compiled in (False, True):
+        engine = Engine.from_pretrained(tiny_checkpoint, device="cpu")
+        model = engine.model
+        if compiled:
+            model.compile_layers(dynamic_batch=True)
+        model.setup_caches(max(batches), 64)
+        rows = 1 + engine.config.num_codebooks
+        out = []
+        with torch.inference_mode():
+            for n, batch in enumerate(batches):
+                t, p, r = (x.view(1, 1).expand(batch, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+                g = torch.Generator().manual_seed(n)
+                frame = torch.zeros(batch, rows, dtype=torch.long)
+                frame[:, 0] = model.semantic_begin_id
+                for i in range(3):
+                    window = torch.zeros(batch, rows, PENALTY_WINDOW, dtype=torch.long)
+                    noise = torch.empty(batch, noise_size(model)).exponential_(1, generator=g)
+                    frame = decode_frame(model, frame, torch.arange(batch) + i, window, noise, t, p, r,
+                                         key_pos=model.positions[:16])
+                layers = list(model.layers) + list(model.fast_layers)
+                out.append((frame, [layer.attention.kv_cache.k[:batch].clone() for layer in layers]))
+        runs.append(out)
+    for (frame_eager, k_eager), (frame_compiled, k_compiled) in zip(*runs):
+        assert torch.equal(frame_eager, frame_compiled)
+        for a, b in zip(k_eager, k_compiled):
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
