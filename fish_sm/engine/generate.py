@@ -78,6 +78,8 @@ def pick_residual_kernels(model: DualARTransformer, hidden: Tensor, noise: Tenso
 
 
 def fast_head_logits(model: DualARTransformer, hidden: Tensor) -> Tensor:
+    """`model.fast_logits` as a function, to compile on its own for several rows (its norm
+    fused, its product with cuBLAS) where the pick itself is a kernel of ours."""
     return model.fast_logits(hidden)
 
 

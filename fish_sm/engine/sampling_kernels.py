@@ -80,6 +80,7 @@ def _pick(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, pen
 def _pick_rows(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
                previous: Tensor | None, table: Tensor, head_ids: tuple[int, int, int] | None,
                next_input: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`_pick` for B > 1 rows, each with its own parameters, noise and penalty ids."""
     rows, v = logits.shape
     logits, noise = (t if t.stride(-1) == 1 else t.contiguous() for t in (logits, noise))
     dev = logits.device
