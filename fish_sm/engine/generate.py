@@ -77,12 +77,6 @@ def pick_residual_kernels(model: DualARTransformer, hidden: Tensor, noise: Tenso
                                              model.fast_embeddings.weight, next_input)
 
 
-def fast_head_logits(model: DualARTransformer, hidden: Tensor) -> Tensor:
-    """`model.fast_logits` as a function, to compile on its own for several rows (its norm
-    fused, its product with cuBLAS) where the pick itself is a kernel of ours."""
-    return model.fast_logits(hidden)
-
-
 class Pickers(NamedTuple):
     """The functions `sample_frame` picks codes with: these, eager, or their compiled
     versions (the graphs': head, nucleus, softmax and draw in a few fused kernels).
@@ -231,7 +225,7 @@ class GraphedStep:
         # Several rows: each pick as one kernel a row (`sampling_kernels._pick_rows`) instead of
         # a sort and ~ten more kernels; the fast head's norm and product still compiled.
         if sampling_kernels.usable(dev) and ROW_KERNELS:
-            fast_logits = compile_decode(fast_head_logits, one_row=False)
+            fast_logits = compile_decode(DualARTransformer.fast_logits, one_row=False)  # norm fused, product cuBLAS
             self.pickers_many = self.pickers_many._replace(
                 head_with_input=pick_head_kernels,
                 residual_with_input=functools.partial(pick_residual_kernels, fast_logits=fast_logits))
