@@ -4,14 +4,15 @@ counts, in one process. As run once for docs/benchmarks.md (fifth pass). Not par
 
     python docs/experiments/batching_tuning_ab.py CHECKPOINT_DIR 1,32    # writes $OUT/batching_ab.json
 """
-import json, os, sys
-from fish_sm.model import dual_ar
-from fish_sm.engine.benchmark import batching_curve
+import sys
 
-out = {}
-streams = [int(n) for n in sys.argv[2].split(",")]
-for variant in ("off", "on"):
+from experiment_tools import curves_by_variant
+
+from fish_sm.model import dual_ar
+
+
+def use(variant):
     dual_ar.MANY_ROWS_OPTIONS = {"coordinate_descent_tuning": True} if variant == "on" else {}
-    out[variant] = batching_curve(sys.argv[1], "bf16", streams, 200, 2048, "cuda")
-    print(variant, "compile_s", round(out[variant]["compile_s"], 1), flush=True)
-    json.dump(out, open(os.environ.get("OUT", ".") + "/batching_ab.json", "w"), indent=1)
+
+
+curves_by_variant(sys.argv[1], [int(n) for n in sys.argv[2].split(",")], ["off", "on"], use, "batching_ab")

@@ -6,13 +6,15 @@ shapes in a CUDA profile. Not part of the package.
     python docs/experiments/codec_back_convs.py CHECKPOINT_DIR [STREAMS=32] [FRAMES=200]
     # a table on stdout, $OUT/codec_back_convs.json
 """
-import collections, json, os, sys, time
+import collections, json, os, sys
 
 import numpy as np
 import torch
 
+from experiment_tools import stream_all
+
 from fish_sm.engine import Engine
-from fish_sm.engine.codec_stream import CodecStream, StreamingCodec
+from fish_sm.engine.codec_stream import StreamingCodec
 
 checkpoint = sys.argv[1]
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 32
@@ -20,19 +22,6 @@ frames = int(sys.argv[3]) if len(sys.argv) > 3 else 200
 engine = Engine.from_pretrained(checkpoint, device="cuda", max_seq_len=2048)
 rng = np.random.default_rng(0)
 codes = [torch.from_numpy(rng.integers(0, 1024, size=(1, engine.codec.n_rows, frames))).cuda() for _ in range(n)]
-
-
-def stream_all(sc: StreamingCodec) -> float:
-    streams = [CodecStream() for _ in range(n)]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    at = 0
-    while at < frames:
-        m = min(sc.next_frames(streams[0]), frames - at)
-        sc.push_many([(s, c[..., at:at + m]) for s, c in zip(streams, codes)])
-        at += m
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def subtree_kernels(event):
@@ -46,13 +35,13 @@ def subtree_kernels(event):
 with torch.inference_mode():
     sc = StreamingCodec(engine.codec, 4, 64)
     sc.capture(12)
-    graphed = sorted(stream_all(sc) for _ in range(3))[1]
+    graphed = sorted(stream_all(sc, codes) for _ in range(3))[1]
     sc.back.graphs.clear()  # the compiled code, where the profiler sees each op
-    stream_all(sc)
-    compiled = sorted(stream_all(sc) for _ in range(3))[1]
+    stream_all(sc, codes)
+    compiled = sorted(stream_all(sc, codes) for _ in range(3))[1]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
                                 record_shapes=True) as prof:
-        stream_all(sc)
+        stream_all(sc, codes)
 
 by_conv = collections.defaultdict(lambda: collections.Counter())
 other = collections.Counter()

@@ -23,10 +23,10 @@ import collections, contextlib, copy, gc, json, math, os, sys, time
 import numpy as np
 import torch
 
-from experiment_tools import kernels_ms, synchronised
+from experiment_tools import kernels_ms, stream_all, synchronised
 
 from fish_sm.engine import Engine
-from fish_sm.engine.codec_stream import CodecStream, ConvBack, StreamingCodec, decode_in_pieces
+from fish_sm.engine.codec_stream import ConvBack, StreamingCodec, decode_in_pieces
 
 checkpoint = sys.argv[1]
 variants = (sys.argv[2] if len(sys.argv) > 2 else "fp32,1d,tf32mm,autocast,bf16").split(",")
@@ -67,19 +67,6 @@ def setting(name):
 spent = collections.defaultdict(float)
 
 
-def stream_all(sc: StreamingCodec) -> float:
-    streams = [CodecStream() for _ in range(n)]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    at = 0
-    while at < frames:
-        m = min(sc.next_frames(streams[0]), frames - at)
-        sc.push_many([(s, c[..., at:at + m]) for s, c in zip(streams, codes)])
-        at += m
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "streams": n, "frames": frames,
        "variants": {}}
 for name in variants:
@@ -91,15 +78,15 @@ for name in variants:
             sc.back = ConvBack(model, compiled=True, channels_last=False)
         sc.capture(12)
         capture_s = time.perf_counter() - t0
-        walls = [stream_all(sc) for _ in range(3)]
+        walls = [stream_all(sc, codes) for _ in range(3)]
         spent.clear()
         fronts, back = sc._fronts, sc.back.forward
         sc._fronts, sc.back.forward = synchronised(spent, "fronts", fronts), synchronised(spent, "back", back)
-        split_wall = stream_all(sc)
+        split_wall = stream_all(sc, codes)
         sc._fronts, sc.back.forward = fronts, back
         audio = decode_in_pieces(sc, codes[0]).float()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            stream_all(sc)
+            stream_all(sc, codes)
         by_name = kernels_ms(prof, 80)
     err = audio - reference
     row = {"capture_s": round(capture_s, 1), "wall_s": [round(w, 4) for w in walls],

@@ -1,11 +1,12 @@
 """What several experiments here share. Not part of the package. Scripts run as
 `python docs/experiments/NAME.py` find it on sys.path (the script's own folder)."""
-import collections, json, statistics, time
+import collections, json, os, statistics, time
 
 import torch
 
 from fish_sm.engine.batching import Job
-from fish_sm.engine.benchmark import BATCH_TEXTS, batching_level, measure
+from fish_sm.engine.benchmark import BATCH_TEXTS, batching_curve, batching_level, measure
+from fish_sm.engine.codec_stream import CodecStream
 from fish_sm.engine.sampling import SamplingParams
 
 
@@ -143,3 +144,38 @@ def decode_in_turns(engines: dict, rounds: int, out: dict, save=lambda: None) ->
             save()
     out["decode_frames_per_s_median"] = {name: statistics.median(r["decode_frames_per_s"] for r in out["rounds"]
                                                                   if r["variant"] == name) for name in engines}
+
+
+def stream_all(sc, codes: list) -> float:
+    """Seconds for `StreamingCodec` `sc` to decode each of `codes` ([1, rows, frames] each) as
+    its own stream, every stream's piece k in one `push_many` (as the batching codec batches)."""
+    streams = [CodecStream() for _ in codes]
+    frames = codes[0].shape[-1]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    at = 0
+    while at < frames:
+        m = min(sc.next_frames(streams[0]), frames - at)
+        sc.push_many([(s, c[..., at:at + m]) for s, c in zip(streams, codes)])
+        at += m
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def curves_by_variant(checkpoint: str, streams: list[int], variants: list[str], set_variant, name: str,
+                      profile: bool = False) -> dict:
+    """`benchmark.batching_curve` (bf16, 200 frames a request, 2,048 slots) once per variant, one
+    after another in this process, `set_variant(variant)` before each; printed as it goes and
+    written to $OUT/NAME.json after each."""
+    out = {}
+    for variant in variants:
+        set_variant(variant)
+        out[variant] = batching_curve(checkpoint, "bf16", streams, 200, 2048, "cuda", profile=profile)
+        print(variant, json.dumps({k: v for k, v in out[variant].items() if k not in ("levels", "sequential", "profile")}),
+              flush=True)
+        for level in out[variant]["levels"]:
+            print(variant, json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in level.items()}),
+                  flush=True)
+        with open(os.path.join(os.environ.get("OUT", "."), name + ".json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return out
