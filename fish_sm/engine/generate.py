@@ -37,6 +37,11 @@ PICKERS_TUNED = {"head": False, "residual": False}
 # Whether the batching engine's steps pick with `sampling_kernels` (a switch for A/B runs).
 ROW_KERNELS = True
 
+# Whether steps of several rows run the fast transformer's first two positions as one pass
+# (`DualARTransformer.forward_fast_pair`; a switch for A/B runs). One row keeps two passes: on
+# `row_products` its first is three products short (`forward_fast`'s `cache_only`).
+FAST_PAIR = True
+
 
 def noise_size(model: DualARTransformer) -> int:
     """Exp(1) draws one frame needs: one per head row, then one per residual code of each fast step."""
@@ -110,9 +115,14 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
         code = torch.where(is_end, 0, row)
         x = model.fast_embeddings(code)
     codes = [code]
-    model.forward_fast(hidden, 0, cache_only=True)  # fills position 0 of the fast cache; its logits are unused
+    pair = FAST_PAIR and hidden.shape[0] > 1
+    if pair:  # positions 0 and 1 in one pass: h is position 1's output
+        h = model.forward_fast_pair(hidden, x)
+    else:
+        model.forward_fast(hidden, 0, cache_only=True)  # fills position 0 of the fast cache; its logits are unused
     for i in range(1, c.num_codebooks):
-        h = model.forward_fast(x, i)
+        if i > 1 or not pair:
+            h = model.forward_fast(x, i)
         start = n_head + (i - 1) * RESIDUAL_CODEBOOK_SIZE
         args = (model, h, noise[:, start : start + RESIDUAL_CODEBOOK_SIZE], temperature, top_p, penalty,
                 None if window is None else window[:, i + 1])

@@ -165,19 +165,31 @@ class TransformerBlock(nn.Module):
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None,
                 row: int | Tensor = 0) -> Tensor:
         if self.compiled is not None and x.shape[1] == 1 and isinstance(row, int) and row == 0:
-            # A decode step: the compiled halves (see DualARTransformer.compile_layers); the
-            # first also writes the step's k/v into the cache, attention runs between them.
-            if self.compiled[x.shape[0] > 1] is None:  # one row on the row-product kernels
-                return self._decode_row(x, rope, input_pos, live, mask)
-            pre, post = self.compiled[x.shape[0] > 1]
-            q = pre(self, x, rope, input_pos)
-            k, v = self.attention.kv_cache.read(live, row, x.shape[0])
-            return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
+            return self.decode_step(x, rope, input_pos, live, mask)
         pre, post = TransformerBlock._pre_attention, TransformerBlock._post_attention
         if self.prefill_compiled is not None and x.shape[1] > 1:
             pre, post = self.prefill_compiled  # admissions of the batching engine
         q, k, v = pre(self, x, rope)
         return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask, row))
+
+    def decode_step(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None) -> Tensor:
+        """S new positions (one; two for `DualARTransformer.forward_fast_pair`) of cache rows
+        0..B-1 on the compiled halves (see DualARTransformer.compile_layers): the first also
+        writes the step's k/v into the cache, attention runs between them."""
+        if self.compiled is None:  # eager
+            return self(x, rope, input_pos, live, mask)
+        if self.compiled[x.shape[0] > 1] is None:  # one row on the row-product kernels
+            return self._decode_row(x, rope, input_pos, live, mask)
+        if x.shape[0] > 1:
+            # The number of positions is part of each graph: dynamo, having seen one and then two,
+            # would otherwise generalise the halves to any number (as it does the batch), and on
+            # the CPU that code wrote wrong cache entries.
+            for t, dim in ((x, 1), (rope, rope.dim() - 3), (input_pos, input_pos.dim() - 1)):
+                torch._dynamo.mark_static(t, dim)
+        pre, post = self.compiled[x.shape[0] > 1]
+        q = pre(self, x, rope, input_pos)
+        k, v = self.attention.kv_cache.read(live, 0, x.shape[0])
+        return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
 
     def _pre_attention(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.attention.project(self.attention_norm(x), rope)
@@ -461,6 +473,16 @@ class DualARTransformer(nn.Module):
         if cache_only:
             self.fast_layers[-1]._decode_row(x, rope, input_pos, pos + 1, None, cache_only=True)
         return x[:, 0]
+
+    def forward_fast_pair(self, hidden: Tensor, x: Tensor) -> Tensor:
+        """The fast transformer's positions 0 (the slow hidden state, whose output is unused)
+        and 1 (code 0's embedding, `x`) as one pass of two positions; hidden [B, fast_dim] ->
+        position 1's output [B, fast_dim]. Both inputs are known once the head has picked,
+        so a frame reads the fast layers' weights nine times instead of ten."""
+        pair = torch.stack([hidden, x], dim=1)
+        for layer in self.fast_layers:
+            pair = layer.decode_step(pair, self.fast_rope[:2], self.positions[:2], 2)
+        return pair[:, 1]
 
     def fast_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the residual codebooks' 1,024 codes (as `head_logits`)."""

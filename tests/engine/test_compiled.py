@@ -296,3 +296,44 @@ def test_compiled_steps_at_several_batch_sizes_in_turn_match_eager(tiny_checkpoi
         assert torch.equal(frame_eager, frame_compiled)
         for a, b in zip(k_eager, k_compiled):
             assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fast_positions_0_and_1_in_one_pass_match_two(tiny_checkpoint, monkeypatch, compiled):
+    """Steps of several rows run the fast transformer's positions 0 and 1 as one pass of two
+    (`forward_fast_pair`): the same codes and fast caches as two passes of one, eager and
+    compiled, at batch sizes in turn (the compiled halves generalised over the batch, the
+    number of positions kept static)."""
+    from fish_sm.engine import generate
+    from fish_sm.engine.generate import decode_frame, noise_size
+    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+
+    batches = [2, 4, 8, 16, 3]
+    runs = {}
+    for pair in (False, True):
+        monkeypatch.setattr(generate, "FAST_PAIR", pair)
+        engine = Engine.from_pretrained(tiny_checkpoint, device="cpu")
+        model = engine.model
+        if compiled:
+            model.compile_layers(dynamic_batch=True)
+        model.setup_caches(max(batches), 64)
+        rows = 1 + engine.config.num_codebooks
+        out = []
+        with torch.inference_mode():
+            for n, batch in enumerate(batches):
+                t, p, r = (x.view(1, 1).expand(batch, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+                g = torch.Generator().manual_seed(n)
+                frame = torch.zeros(batch, rows, dtype=torch.long)
+                frame[:, 0] = model.semantic_begin_id
+                for i in range(3):
+                    window = torch.zeros(batch, rows, PENALTY_WINDOW, dtype=torch.long)
+                    noise = torch.empty(batch, noise_size(model)).exponential_(1, generator=g)
+                    frame = decode_frame(model, frame, torch.arange(batch) + i, window, noise, t, p, r,
+                                         key_pos=model.positions[:16])
+                out.append((frame, [(b.attention.kv_cache.k[:batch].clone(), b.attention.kv_cache.v[:batch].clone())
+                                    for b in model.fast_layers]))
+        runs[pair] = out
+    for (frames_two, caches_two), (frames_pair, caches_pair) in zip(runs[False], runs[True]):
+        assert torch.equal(frames_two, frames_pair)
+        for (k2, v2), (kp, vp) in zip(caches_two, caches_pair):
+            assert torch.allclose(k2, kp, atol=1e-5) and torch.allclose(v2, vp, atol=1e-5), (k2 - kp).abs().max()
