@@ -4,12 +4,15 @@ and back as served), its throughput, the fronts' and the back's share, and one s
 audio against a float32 decode with TF32 off. Not part of the package.
 
 Variants:
-- fp32: as shipped (float32; cuDNN runs the convolutions in TF32, matmuls stay float32;
-  the back over channels-last [B, C, 1, T] tensors).
+- fp32: as shipped before the fifteenth pass (float32; cuDNN runs the convolutions in TF32,
+  matmuls stay float32; the back over channels-last [B, C, 1, T] tensors).
 - tf32mm: fp32 plus TF32 matmuls (the fronts' linear layers).
 - autocast: under torch.autocast(bfloat16), as upstream's serving engine decodes
   (TTSInferenceEngine.get_audio_segment); weights and Snake math stay float32.
 - bf16: the codec's weights in bfloat16.
+- fp16back (with any of the others): the back's weights and activations in float16 (inputs
+  rounded to 10-bit mantissas, as TF32 rounds them, on tensor cores twice TF32's rate), as
+  shipped since the fifteenth pass (`StreamingCodec`'s default on CUDA).
 - bench (with any of the others): cuDNN benchmark mode while capturing (it times its
   algorithms for each shape instead of taking its heuristics' pick).
 - 1d, 1d-autocast: the back over [B, C, T] tensors and 1-D convolutions (cuDNN converts
@@ -73,7 +76,8 @@ for name in variants:
     model = copy.deepcopy(codec).to(torch.bfloat16) if name == "bf16" else codec
     with setting(name), torch.inference_mode():
         t0 = time.perf_counter()
-        sc = StreamingCodec(model, 4, 64)
+        back = torch.float16 if "fp16back" in name else None if name == "bf16" else torch.float32
+        sc = StreamingCodec(model, 4, 64, back_dtype=back)
         if name.startswith("1d"):
             sc.back = ConvBack(model, compiled=True, channels_last=False)
         sc.capture(12)

@@ -28,6 +28,7 @@ piece of 12 frames ran the back over 64: a fifth of its back's work, wasted; ele
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
@@ -305,9 +306,12 @@ class ConvBack(nn.Module):
     the compiled code's own launches would hold the GIL the decode loop needs. On CUDA it
     also runs over channels-last [B, C, 1, T] tensors (`conv_2d`): 12% faster on an H100."""
 
-    def __init__(self, codec: Codec, compiled: bool, channels_last: bool = False):
+    def __init__(self, codec: Codec, compiled: bool, channels_last: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
-        self.decoder = codec.decoder
+        self.dtype = dtype or codec._param.dtype
+        # Another dtype: a copy of the decoder in it (the codec's own decodes whole utterances).
+        self.decoder = codec.decoder if self.dtype == codec._param.dtype else copy.deepcopy(codec.decoder).to(self.dtype)
+        self.audio_dtype = codec._param.dtype
         self.latent_dim = codec.config.latent_dim
         self.steps = codec.frame_length // codec.config.hop_length  # latent steps per code frame
         self.channels_last = channels_last  # [B, C, 1, T] in channels-last memory (`conv_2d`)
@@ -317,7 +321,7 @@ class ConvBack(nn.Module):
                     m.prepare_2d()
         template: dict = {}
         with torch.inference_mode():
-            self.decoder(self._layout(codec._param.new_zeros(1, self.latent_dim, 1)), template)
+            self.decoder(self._layout(codec._param.new_zeros(1, self.latent_dim, 1, dtype=self.dtype)), template)
         self.stateful = [m for m in self.decoder.modules() if m in template]
         self.shapes = [tuple(template[m].shape[1:]) for m in self.stateful]
         self.dtypes = [template[m].dtype for m in self.stateful]  # not all one under autocast
@@ -340,8 +344,8 @@ class ConvBack(nn.Module):
 
     def _step(self, latents: Tensor, contexts: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         state = dict(zip(self.stateful, contexts))
-        audio = self.decoder(self._layout(latents), state).flatten(1)
-        return audio, [state[m] for m in self.stateful]
+        audio = self.decoder(self._layout(latents.to(self.dtype)), state).flatten(1)
+        return audio.to(self.audio_dtype), [state[m] for m in self.stateful]
 
     def capture(self, rows: int, frames: int, pool) -> None:
         """A graph for `rows` pieces of `frames` code frames (after the compiled code has run them).
@@ -365,7 +369,8 @@ class ConvBack(nn.Module):
         fits = [rows for rows, n in self.graphs if n == length and rows >= b]
         if fits:
             graph, static_latents, static_contexts, audio, new = self.graphs[(min(fits), length)]
-            torch._foreach_copy_([static_latents[:b]] + [c[:b] for c in static_contexts], [latents, *contexts])
+            torch._foreach_copy_([static_latents[:b]] + [c[:b] for c in static_contexts],
+                                 [latents.to(self.dtype), *contexts])
             graph.replay()
             return audio[:b].clone(), [c[:b].clone() for c in new]
         return self._run(latents, contexts)
@@ -391,14 +396,24 @@ class StreamingCodec:
     `max_graphs` piece indices) and the back is compiled and captured."""
 
     def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_graphs: int = 48,
-                 max_batch_frames: int = 512):
+                 max_batch_frames: int = 512, back_dtype: torch.dtype | None = None):
         self.codec, self.first, self.largest, self.max_graphs = codec, first, largest, max_graphs
         self.max_batch_frames = max_batch_frames
         self.max_rows = self.rows_for(largest)  # full-length pieces in one batch
         self.graphs: dict[tuple[int, int], PieceGraph] = {}  # (piece index, rows) -> its front
         self.use_graphs = codec._param.device.type == "cuda"
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs)
+        # The back in float16 on CUDA (`back_dtype` None, a float32 codec): its inputs rounded to
+        # 10-bit mantissas, as cuDNN's TF32 convolutions round them, on tensor cores twice as
+        # fast. On an H100: 32 streams of 200 frames decoded at 20,788 frames/s against 15,933
+        # alone, 5,674 frames/s against ~4,800 beside the decode loop; audio at 51.3 dB SNR
+        # against float32 without TF32 (53.4 dB). (TF32 matmuls in the fronts' graphs too made
+        # the codec alone 15% faster again, but beside the decode loop stalled the GPU for
+        # 5-35 s at a time; docs/benchmarks.md, fifteenth pass.)
+        if back_dtype is None:
+            fp32 = codec._param.dtype == torch.float32
+            back_dtype = torch.float16 if self.use_graphs and fp32 else codec._param.dtype
+        self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype)
         self.full = FullFronts(codec, largest, self.max_rows, self.use_graphs, self._pool)
 
     def rows_for(self, frames: int) -> int:

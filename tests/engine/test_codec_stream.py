@@ -161,16 +161,34 @@ def test_full_length_fronts_at_different_indices_share_a_batch_past_the_window(m
             torch.testing.assert_close(out[i], codec.decode(codes[i]), atol=1e-4, rtol=0)
 
 
+def _snr_db(audio: torch.Tensor, reference: torch.Tensor) -> float:
+    return 10 * torch.log10(reference.pow(2).sum() / (audio - reference).pow(2).sum()).item()
+
+
+def test_the_back_in_float16_decodes_within_its_rounding_of_float32(engine):
+    """The back as served on CUDA: a float16 copy of the decoder, float32 audio out; the
+    codec's own decoder (whole decodes) stays float32."""
+    codes = torch.randint(0, 1024, (1, engine.codec.n_rows, 45), generator=torch.Generator().manual_seed(3))
+    pieces = StreamingCodec(engine.codec, first=2, largest=8, back_dtype=torch.float16)
+    assert pieces.back.decoder is not engine.codec.decoder
+    assert engine.codec.decoder.model[0].conv.weight.dtype == torch.float32
+    with torch.inference_mode():
+        audio, whole = decode_in_pieces(pieces, codes), engine.codec.decode(codes)
+    assert audio.dtype == torch.float32 and audio.shape == whole.shape
+    assert 40 < _snr_db(audio, whole) < 100  # float16's rounding: close, and not float32 itself
+    assert StreamingCodec(engine.codec, first=2, largest=8).back.dtype == torch.float32  # the CPU's default
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeypatch):
-    """As served on a GPU: the per-index and full-length front graphs and the compiled,
-    captured back, streams joining at different rounds (float32, TF32 off: with it, pieces
-    and whole decodes differ by up to ~3e-3 from the convolutions' shapes alone)."""
+    """The per-index and full-length front graphs and the compiled, captured back, streams
+    joining at different rounds (float32 throughout, TF32 off: with it, pieces and whole
+    decodes differ by up to ~3e-3 from the convolutions' shapes alone)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
-    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12)
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, back_dtype=torch.float32)
     with torch.inference_mode():
         pieces.capture(6)
     assert sorted(pieces.full.graphs) == [1, 2, 3]
@@ -181,3 +199,22 @@ def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeyp
         out = _streamed_in_rounds(pieces, codes, starts)
         for i in range(len(codes)):
             torch.testing.assert_close(out[i], codec.decode(codes[i]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_codec_as_served_stays_close_to_float32_on_cuda(monkeypatch):
+    """The default on a GPU, the back in float16, against a whole float32 decode without TF32."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
+    codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12)
+    assert pieces.back.dtype == torch.float16
+    with torch.inference_mode():
+        pieces.capture(6)
+    codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(80 + n)).cuda()
+             for n in (26, 19, 30)]
+    with torch.inference_mode():
+        out = _streamed_in_rounds(pieces, codes, (0, 1, 2))
+        for i in range(len(codes)):
+            assert _snr_db(out[i], codec.decode(codes[i])) > 40
