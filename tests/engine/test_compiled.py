@@ -261,40 +261,46 @@ def test_the_targets_table_judges_each_figure_against_its_target():
     assert "median of 17.3, 14.3, 14.8" in rows["warm start (model_fn, none)"]
 
 
+def _frames_at_batch_sizes(checkpoint, batches: list[int], compiled: bool, fast_only: bool = False) -> list:
+    """Three decode frames of each of `batches` rows in turn, on a fresh engine (its layers
+    compiled as the batching engine compiles them, if `compiled`): for each batch size, the
+    last frame and the (k, v) cache rows of every layer (of the fast layers, with `fast_only`)."""
+    from fish_sm.engine.generate import decode_frame, noise_size
+    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+
+    engine = Engine.from_pretrained(checkpoint, device="cpu")
+    model = engine.model
+    if compiled:
+        model.compile_layers(dynamic_batch=True)
+    model.setup_caches(max(batches), 64)
+    rows = 1 + engine.config.num_codebooks
+    layers = list(model.fast_layers) if fast_only else list(model.layers) + list(model.fast_layers)
+    out = []
+    with torch.inference_mode():
+        for n, batch in enumerate(batches):
+            t, p, r = (x.view(1, 1).expand(batch, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+            g = torch.Generator().manual_seed(n)
+            frame = torch.zeros(batch, rows, dtype=torch.long)
+            frame[:, 0] = model.semantic_begin_id
+            for i in range(3):
+                window = torch.zeros(batch, rows, PENALTY_WINDOW, dtype=torch.long)
+                noise = torch.empty(batch, noise_size(model)).exponential_(1, generator=g)
+                frame = decode_frame(model, frame, torch.arange(batch) + i, window, noise, t, p, r,
+                                     key_pos=model.positions[:16])
+            out.append((frame, [(layer.attention.kv_cache.k[:batch].clone(), layer.attention.kv_cache.v[:batch].clone())
+                                for layer in layers]))
+    return out
+
+
 def test_compiled_steps_at_several_batch_sizes_in_turn_match_eager(tiny_checkpoint):
     """The several-row code is compiled for the first batch size, then generalised to any (as
     the batching engine captures 2, 4, ..., 64 rows): every batch size after the first runs the
     generalised code, which must write the cache and pick as the eager layers do."""
-    from fish_sm.engine.generate import decode_frame, noise_size
-    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
-
     batches = [2, 3, 5, 4]
-    runs = []
-    for compiled in (False, True):
-        engine = Engine.from_pretrained(tiny_checkpoint, device="cpu")
-        model = engine.model
-        if compiled:
-            model.compile_layers(dynamic_batch=True)
-        model.setup_caches(max(batches), 64)
-        rows = 1 + engine.config.num_codebooks
-        out = []
-        with torch.inference_mode():
-            for n, batch in enumerate(batches):
-                t, p, r = (x.view(1, 1).expand(batch, 1) for x in SamplingParams(seed=0).tensors("cpu"))
-                g = torch.Generator().manual_seed(n)
-                frame = torch.zeros(batch, rows, dtype=torch.long)
-                frame[:, 0] = model.semantic_begin_id
-                for i in range(3):
-                    window = torch.zeros(batch, rows, PENALTY_WINDOW, dtype=torch.long)
-                    noise = torch.empty(batch, noise_size(model)).exponential_(1, generator=g)
-                    frame = decode_frame(model, frame, torch.arange(batch) + i, window, noise, t, p, r,
-                                         key_pos=model.positions[:16])
-                layers = list(model.layers) + list(model.fast_layers)
-                out.append((frame, [layer.attention.kv_cache.k[:batch].clone() for layer in layers]))
-        runs.append(out)
-    for (frame_eager, k_eager), (frame_compiled, k_compiled) in zip(*runs):
+    runs = [_frames_at_batch_sizes(tiny_checkpoint, batches, compiled) for compiled in (False, True)]
+    for (frame_eager, caches_eager), (frame_compiled, caches_compiled) in zip(*runs):
         assert torch.equal(frame_eager, frame_compiled)
-        for a, b in zip(k_eager, k_compiled):
+        for (a, _), (b, _) in zip(caches_eager, caches_compiled):
             assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
@@ -305,34 +311,12 @@ def test_fast_positions_0_and_1_in_one_pass_match_two(tiny_checkpoint, monkeypat
     compiled, at batch sizes in turn (the compiled halves generalised over the batch, the
     number of positions kept static)."""
     from fish_sm.engine import generate
-    from fish_sm.engine.generate import decode_frame, noise_size
-    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
 
     batches = [2, 4, 8, 16, 3]
     runs = {}
     for pair in (False, True):
         monkeypatch.setattr(generate, "FAST_PAIR", pair)
-        engine = Engine.from_pretrained(tiny_checkpoint, device="cpu")
-        model = engine.model
-        if compiled:
-            model.compile_layers(dynamic_batch=True)
-        model.setup_caches(max(batches), 64)
-        rows = 1 + engine.config.num_codebooks
-        out = []
-        with torch.inference_mode():
-            for n, batch in enumerate(batches):
-                t, p, r = (x.view(1, 1).expand(batch, 1) for x in SamplingParams(seed=0).tensors("cpu"))
-                g = torch.Generator().manual_seed(n)
-                frame = torch.zeros(batch, rows, dtype=torch.long)
-                frame[:, 0] = model.semantic_begin_id
-                for i in range(3):
-                    window = torch.zeros(batch, rows, PENALTY_WINDOW, dtype=torch.long)
-                    noise = torch.empty(batch, noise_size(model)).exponential_(1, generator=g)
-                    frame = decode_frame(model, frame, torch.arange(batch) + i, window, noise, t, p, r,
-                                         key_pos=model.positions[:16])
-                out.append((frame, [(b.attention.kv_cache.k[:batch].clone(), b.attention.kv_cache.v[:batch].clone())
-                                    for b in model.fast_layers]))
-        runs[pair] = out
+        runs[pair] = _frames_at_batch_sizes(tiny_checkpoint, batches, compiled, fast_only=True)
     for (frames_two, caches_two), (frames_pair, caches_pair) in zip(runs[False], runs[True]):
         assert torch.equal(frames_two, frames_pair)
         for (k2, v2), (kp, vp) in zip(caches_two, caches_pair):
