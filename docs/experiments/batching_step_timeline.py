@@ -11,7 +11,7 @@ import json, os, statistics, sys, time
 
 import torch
 
-from experiment_tools import timed_calls
+from experiment_tools import time_replays, timed_calls
 
 from fish_sm.engine import Engine, generate
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job
@@ -31,19 +31,7 @@ def timed(name, fn):
 BatchEngine._decode_step = timed("decode_step", BatchEngine._decode_step)
 BatchEngine._check = timed("check", BatchEngine._check)
 generate.HostCopy.get = timed("get_wait", generate.HostCopy.get)
-replay = generate.GraphedStep.__call__
-
-
-def replay_with_events(self, *args, **kwargs):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = replay(self, *args, **kwargs)
-    end.record()
-    record["replays"].append((args[1].shape[0], start, end, time.perf_counter()))
-    return out
-
-
-generate.GraphedStep.__call__ = replay_with_events
+time_replays(lambda rows, start, end, t0, t1: record["replays"].append((rows, start, end, t1)))
 decode_next = CodecWorker._decode_next
 
 

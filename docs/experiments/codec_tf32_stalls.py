@@ -14,9 +14,8 @@ import json, statistics, sys, time
 
 import torch
 
-from experiment_tools import compiled_batcher, timed_calls
+from experiment_tools import compiled_batcher, time_replays, timed_calls
 
-from fish_sm.engine import generate
 from fish_sm.engine.batching import CodecWorker, Job
 from fish_sm.engine.benchmark import BATCH_TEXTS, batching_level
 from fish_sm.engine.codec_stream import StreamingCodec
@@ -29,19 +28,7 @@ plan = [tuple(int(x) for x in level.split(":")) for level in (sys.argv[3] if len
                                                                  "16:100,16:100,32:200").split(",")]
 codec_calls, replays = [], []
 CodecWorker._decode_next = timed_calls(CodecWorker._decode_next, lambda a, b: codec_calls.append(b - a))
-replay = generate.GraphedStep.__call__
-
-
-def replay_with_events(self, *args, **kwargs):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = replay(self, *args, **kwargs)
-    end.record()
-    replays.append((start, end))
-    return out
-
-
-generate.GraphedStep.__call__ = replay_with_events
+time_replays(lambda rows, start, end, t0, t1: replays.append((start, end)))
 batcher, out = compiled_batcher(checkpoint, max(n for n, _ in plan))
 freeze_start_up_objects()
 worker, codec = batcher._codec, batcher.engine.codec

@@ -13,7 +13,7 @@ import collections, json, os, statistics, sys, threading, time
 
 import torch
 
-from experiment_tools import compiled_batcher, timed_calls
+from experiment_tools import compiled_batcher, time_replays, timed_calls
 
 from fish_sm.engine import generate
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job
@@ -40,20 +40,7 @@ for owner, names in ((BatchEngine, ("_decode_step", "_check", "_hand_over", "_st
                      (torch.cuda.CUDAGraph, ("replay",)), (torch.Tensor, ("cpu",))):
     for name in names:
         setattr(owner, name, timed(f"{owner.__name__}.{name}", getattr(owner, name)))
-step_call = generate.GraphedStep.__call__
-
-
-def step_with_events(self, *args, **kwargs):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    out = step_call(self, *args, **kwargs)
-    end.record()
-    replays.append((t0, time.perf_counter(), start, end, args[1].shape[0]))
-    return out
-
-
-generate.GraphedStep.__call__ = step_with_events
+time_replays(lambda rows, start, end, t0, t1: replays.append((t0, t1, start, end, rows)))
 late: list = []  # (woke, ms later than asked)
 ticking = True
 

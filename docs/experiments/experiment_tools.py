@@ -49,6 +49,26 @@ def timed_calls(fn, done):
     return run
 
 
+def time_replays(done) -> None:
+    """Every `GraphedStep` call (a decode step's replay) timed from now on: done(rows, start,
+    end, t0, t1) after each, `start`/`end` CUDA events recorded around it on its stream, t0/t1
+    `time.perf_counter` before the first and after the second."""
+    from fish_sm.engine.generate import GraphedStep
+
+    replay = GraphedStep.__call__
+
+    def run(self, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        out = replay(self, *args, **kwargs)
+        end.record()
+        done(args[1].shape[0], start, end, t0, time.perf_counter())
+        return out
+
+    GraphedStep.__call__ = run
+
+
 def capture_on(stream, fn) -> None:
     """`fn` with `stream` current and as the stream `torch.cuda.graph` captures on (a graph's
     kernels keep to the SMs of the green context whose stream it was captured on)."""

@@ -30,10 +30,7 @@ graphs = {"pair": dict(step.graphs)}
 generate.FAST_PAIR = False
 t0 = time.perf_counter()
 step.graphs, step.pool = {}, torch.cuda.graph_pool_handle()
-for b in batcher.batch_sizes:
-    for bucket in generate.length_buckets(batcher.max_seq_len):
-        step.capture(b, bucket)
-    step.capture_first(b)
+step.capture_all(batcher.batch_sizes)  # decode steps and first frames, as `BatchEngine.compile` captures them
 graphs["two"] = dict(step.graphs)
 out["recapture_s"] = time.perf_counter() - t0
 freeze_start_up_objects()
