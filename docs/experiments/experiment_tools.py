@@ -6,7 +6,7 @@ import torch
 
 from fish_sm.engine.batching import Job
 from fish_sm.engine.benchmark import BATCH_TEXTS, batching_curve, batching_level, measure
-from fish_sm.engine.codec_stream import CodecStream
+from fish_sm.engine.codec_stream import Captures, CodecStream
 from fish_sm.engine.sampling import SamplingParams
 
 
@@ -88,7 +88,8 @@ def recapture_codec(worker, retired: list) -> None:
     sc = worker.codec
     retired.append((dict(sc.graphs), dict(sc.full.graphs), dict(sc.back.graphs)))
     sc.graphs.clear(), sc.full.graphs.clear(), sc.back.graphs.clear()
-    sc._pool = sc.full._pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.current_stream()
+    sc.captures = sc.full.captures = Captures(stream.device, stream=stream, tf32=sc.captures.tf32)
     worker.capture(pieces=12)
 
 

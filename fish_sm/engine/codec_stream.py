@@ -106,20 +106,54 @@ def _unstack(state: State, streams: list[CodecStream]) -> None:
         stream.state = _rebuild(layout, [t[i : i + 1] for t in tensors])
 
 
-def _captured_decode(codec: Codec, codes: Tensor, state: State, warm_up: State, pool) -> tuple:
+class Captures:
+    """Where the codec's CUDA graphs are captured: a memory pool and a stream of their own.
+
+    The stream matters. PyTorch gives cuBLAS a workspace per (handle, stream), and a graph
+    keeps the workspace of the stream it was captured on. Captured on `torch.cuda.graph`'s
+    default stream, from the thread that captured the decode step's graphs there too, the
+    codec's products shared the decode graphs' workspace, and the two replay side by side on
+    two streams: with TF32 matmuls in the fronts' graphs, the GPU stalled for 5-35 s at a time
+    (docs/benchmarks.md, fifteenth and sixteenth passes).
+
+    `tf32`: the fronts' float32 matmuls on TF32 tensor cores, as cuDNN already runs the
+    codec's float32 convolutions. The flag is process-wide, so it is on only while a front is
+    captured; its graph keeps the TF32 kernels."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None, tf32: bool = True):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = stream if stream is not None else torch.cuda.Stream(device)
+        self.tf32 = tf32
+
+    def graph(self, graph: torch.cuda.CUDAGraph):
+        # thread_local: the decode loop keeps launching on its own thread while this captures.
+        return torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local")
+
+    @contextmanager
+    def matmuls(self):
+        """The fronts' matmul precision, for this block only."""
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _captured_decode(codec: Codec, codes: Tensor, state: State, warm_up: State, captures: Captures) -> tuple:
     """`codec.quantizer.decode(codes, state)` captured as a CUDA graph, after one run outside
     it on `warm_up`, a copy of the state (cuDNN plans, workspaces): (graph, its latents);
     `state` then holds the graph's output state."""
     device = codes.device
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        codec.quantizer.decode(codes, warm_up)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the decode loop keeps launching on its own thread while this captures.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        latents = codec.quantizer.decode(codes, state)
+    with captures.matmuls():
+        with torch.cuda.stream(side):
+            codec.quantizer.decode(codes, warm_up)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with captures.graph(graph):
+            latents = codec.quantizer.decode(codes, state)
     return graph, latents
 
 
@@ -127,14 +161,14 @@ class PieceGraph:
     """Piece k's front for up to `rows` streams as one CUDA graph: static codes and state
     in, latents and state out (spare rows run on stale inputs; their results are dropped)."""
 
-    def __init__(self, codec: Codec, template: State, frames: int, rows: int, pool):
+    def __init__(self, codec: Codec, template: State, frames: int, rows: int, captures: Captures):
         device = codec._param.device
         self.layout, inputs = _flatten(template)
         self.inputs = [t.expand(rows, *t.shape[1:]).clone() for t in inputs]
         self.codes = torch.zeros(rows, codec.n_rows, frames, dtype=torch.long, device=device)
         state = _rebuild(self.layout, self.inputs)
         self.graph, self.latents = _captured_decode(codec, self.codes, state,
-                                                    _rebuild(self.layout, [t.clone() for t in self.inputs]), pool)
+                                                    _rebuild(self.layout, [t.clone() for t in self.inputs]), captures)
         self.out_layout, self.outputs = _flatten(state)
 
     def __call__(self, streams: list[CodecStream], codes: Tensor) -> Tensor:
@@ -194,8 +228,9 @@ class FullFronts:
 
     POSITIONS = 1 << 15  # frames the RoPE tables are sized for (~25 minutes); later pieces run alone
 
-    def __init__(self, codec: Codec, frames: int, rows: int, use_graphs: bool, pool):
-        self.codec, self.frames, self.rows, self.use_graphs, self._pool = codec, frames, rows, use_graphs, pool
+    def __init__(self, codec: Codec, frames: int, rows: int, captures: Optional[Captures]):
+        self.codec, self.frames, self.rows, self.captures = codec, frames, rows, captures
+        self.use_graphs = captures is not None
         post = codec.quantizer.post_module  # the decode's one transformer, if any
         self.usable = post is None or post.window is not None
         if post is not None and self.usable:
@@ -244,7 +279,7 @@ class FullFronts:
         """The graph for `batch` streams: the smallest captured size that holds them."""
         rows = min(r for r in batch_sizes(self.rows) if r >= batch)
         if rows not in self.graphs:
-            self.graphs[rows] = RowsGraph(self.codec, like, self.frames, rows, self._pool)
+            self.graphs[rows] = RowsGraph(self.codec, like, self.frames, rows, self.captures)
         return self.graphs[rows]
 
 
@@ -252,7 +287,7 @@ class RowsGraph:
     """`FullFronts` for up to `rows` streams as one CUDA graph: positions, padded caches and
     codes in; latents and states out (spare rows run on stale inputs; their results are dropped)."""
 
-    def __init__(self, codec: Codec, like: State, frames: int, rows: int, pool):
+    def __init__(self, codec: Codec, like: State, frames: int, rows: int, captures: Captures):
         device = codec._param.device
         template = {}
         for module, value in like.items():
@@ -270,7 +305,7 @@ class RowsGraph:
         self.codes = torch.zeros(rows, codec.n_rows, frames, dtype=torch.long, device=device)
         state = _assemble(template, self.starts, self.inputs)
         warm_up = _assemble(template, [t.clone() for t in self.starts], [t.clone() for t in self.inputs])
-        self.graph, self.latents = _captured_decode(codec, self.codes, state, warm_up, pool)
+        self.graph, self.latents = _captured_decode(codec, self.codes, state, warm_up, captures)
         self.outputs = _split(state)[1]
         # The RoPE table it reads, kept alive should the transformer regrow its own.
         self.table = None if codec.quantizer.post_module is None else codec.quantizer.post_module._rope
@@ -347,7 +382,7 @@ class ConvBack(nn.Module):
         audio = self.decoder(self._layout(latents.to(self.dtype)), state).flatten(1)
         return audio.to(self.audio_dtype), [state[m] for m in self.stateful]
 
-    def capture(self, rows: int, frames: int, pool) -> None:
+    def capture(self, rows: int, frames: int, captures: Captures) -> None:
         """A graph for `rows` pieces of `frames` code frames (after the compiled code has run them).
 
         cuDNN picks each conv's kernel by timing its candidates (benchmark mode) in the run
@@ -359,7 +394,7 @@ class ConvBack(nn.Module):
         with cudnn_benchmark():
             self._run(latents, contexts)  # compiled for this shape, and warmed up, outside the graph
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with captures.graph(graph):
                 audio, new = self._run(latents, contexts)
         self.graphs[(rows, latents.shape[-1])] = (graph, latents, contexts, audio, new)
 
@@ -396,25 +431,25 @@ class StreamingCodec:
     `max_graphs` piece indices) and the back is compiled and captured."""
 
     def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_graphs: int = 48,
-                 max_batch_frames: int = 512, back_dtype: torch.dtype | None = None):
+                 max_batch_frames: int = 512, back_dtype: torch.dtype | None = None, front_tf32: bool = True):
         self.codec, self.first, self.largest, self.max_graphs = codec, first, largest, max_graphs
         self.max_batch_frames = max_batch_frames
         self.max_rows = self.rows_for(largest)  # full-length pieces in one batch
         self.graphs: dict[tuple[int, int], PieceGraph] = {}  # (piece index, rows) -> its front
         self.use_graphs = codec._param.device.type == "cuda"
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # Its own stream and pool; TF32 fronts (`Captures`): 32 streams of 200 frames alone went
+        # from 20,788 to 23,915 frames/s on an H100, at 51.2 dB SNR (docs/benchmarks.md, fifteenth pass).
+        self.captures = Captures(codec._param.device, tf32=front_tf32) if self.use_graphs else None
         # The back in float16 on CUDA (`back_dtype` None, a float32 codec): its inputs rounded to
         # 10-bit mantissas, as cuDNN's TF32 convolutions round them, on tensor cores twice as
         # fast. On an H100: 32 streams of 200 frames decoded at 20,788 frames/s against 15,933
         # alone, 5,674 frames/s against ~4,800 beside the decode loop; audio at 51.3 dB SNR
-        # against float32 without TF32 (53.4 dB). (TF32 matmuls in the fronts' graphs too made
-        # the codec alone 15% faster again, but beside the decode loop stalled the GPU for
-        # 5-35 s at a time; docs/benchmarks.md, fifteenth pass.)
+        # against float32 without TF32 (53.4 dB).
         if back_dtype is None:
             fp32 = codec._param.dtype == torch.float32
             back_dtype = torch.float16 if self.use_graphs and fp32 else codec._param.dtype
         self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype)
-        self.full = FullFronts(codec, largest, self.max_rows, self.use_graphs, self._pool)
+        self.full = FullFronts(codec, largest, self.max_rows, self.captures)
 
     def rows_for(self, frames: int) -> int:
         """Pieces of `frames` frames that go through the back in one batch."""
@@ -505,7 +540,7 @@ class StreamingCodec:
         graph = self.graphs.get((index, rows))
         if graph is None:
             frames = piece_frames(index, self.first, self.largest)
-            graph = self.graphs[(index, rows)] = PieceGraph(self.codec, template, frames, rows, self._pool)
+            graph = self.graphs[(index, rows)] = PieceGraph(self.codec, template, frames, rows, self.captures)
         return graph
 
     @torch.inference_mode()
@@ -546,7 +581,7 @@ class StreamingCodec:
             self.push(alone, torch.zeros(1, self.codec.n_rows, n, dtype=torch.long, device=device))
         for n in sorted(set(lengths)):
             for rows in batch_sizes(self.rows_for(n)):
-                self.back.capture(rows, n, self._pool)
+                self.back.capture(rows, n, self.captures)
         self.back.warmed = True
 
 

@@ -188,7 +188,7 @@ def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeyp
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
-    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, back_dtype=torch.float32)
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, back_dtype=torch.float32, front_tf32=False)
     with torch.inference_mode():
         pieces.capture(6)
     assert sorted(pieces.full.graphs) == [1, 2, 3]
@@ -203,15 +203,20 @@ def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_codec_as_served_stays_close_to_float32_on_cuda(monkeypatch):
-    """The default on a GPU, the back in float16, against a whole float32 decode without TF32."""
+    """The default on a GPU (the back in float16, TF32 matmuls in the fronts, graphs captured on
+    a stream of their own) against a whole float32 decode without TF32."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
     pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12)
-    assert pieces.back.dtype == torch.float16
+    assert pieces.back.dtype == torch.float16 and pieces.captures.tf32
     with torch.inference_mode():
         pieces.capture(6)
+    # Not the stream graphs are captured on by default, as the decode step's are: cuBLAS's workspace goes by stream.
+    default = torch.cuda.graph(torch.cuda.CUDAGraph()).capture_stream
+    assert pieces.captures.stream.cuda_stream != default.cuda_stream
+    assert not torch.backends.cuda.matmul.allow_tf32  # on only while the fronts were captured
     codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(80 + n)).cuda()
              for n in (26, 19, 30)]
     with torch.inference_mode():
