@@ -137,6 +137,24 @@ def test_overload_is_refused_at_once_and_cancel_frees_the_slot(tiny_checkpoint):
     assert done.frames == 8
 
 
+def test_a_closed_loop_level_keeps_each_client_to_one_request_at_a_time(tiny_checkpoint, monkeypatch):
+    from fish_sm.engine import benchmark
+
+    batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=2, max_queue=0)
+    submit, tickets = batcher.submit, []
+
+    def recorded(job, sink=None):  # (with no queue place, a third request in flight is refused)
+        tickets.append(submit(job, sink))
+        return tickets[-1]
+
+    monkeypatch.setattr(batcher, "submit", recorded)
+    with batcher:
+        level = benchmark.batching_level(batcher, 2, 6, True, rounds=3)
+    assert level["rounds"] == 3 and level["stopped_early"] == 0
+    assert level["aggregate_frames_per_s"] * level["wall_s"] == pytest.approx(2 * 3 * 6)
+    assert len({t.job.params.seed for t in tickets}) == 6
+
+
 def test_bad_jobs_fail_alone(tiny_checkpoint):
     """A prompt too long for the cache fails in the same admission as two good ones, which
     start first; retiring it moves the last good one into its slot, which must not change
