@@ -64,6 +64,13 @@ def test_special_token_ids_match(tokenizers):
     assert (ours.semantic_begin_id, ours.semantic_end_id) == (up.semantic_begin_id, up.semantic_end_id)
 
 
+def test_a_special_token_alone_encodes_as_upstream(tokenizers):
+    ours, up = tokenizers  # (ours looks these up; upstream runs them through tiktoken)
+    for token in [*list(ours.special_ids)[:40], *list(ours.special_ids)[-5:]]:
+        assert ours.encode(token) == up.encode(token) == [ours.special_ids[token]]
+        assert ours.encode(token, allow_special=False) == up.encode(token, allowed_special=False)
+
+
 def up_prompt(up_tok, refs, text):
     seq = ContentSequence(modality="interleave")
     for t, c in refs:
