@@ -439,6 +439,7 @@ class StreamingCodec:
         self.use_graphs = codec._param.device.type == "cuda"
         # Its own stream and pool; TF32 fronts (`Captures`): 32 streams of 200 frames alone went
         # from 20,788 to 23,915 frames/s on an H100, at 51.2 dB SNR (docs/benchmarks.md, fifteenth pass).
+        self.front_tf32 = front_tf32  # (on CUDA: the CPU captures no graphs)
         self.captures = Captures(codec._param.device, tf32=front_tf32) if self.use_graphs else None
         # The back in float16 on CUDA (`back_dtype` None, a float32 codec): its inputs rounded to
         # 10-bit mantissas, as cuDNN's TF32 convolutions round them, on tensor cores twice as

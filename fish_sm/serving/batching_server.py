@@ -56,7 +56,7 @@ def start_worker(model_dir: Path, device: str, settings: Settings) -> Worker:
     """Load, quantize, capture the batched decode steps, warm up; then start the engine."""
     model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device)
     batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
-                          prefix_cache=settings.prefix_cache)
+                          prefix_cache=settings.prefix_cache, codec_precision=settings.codec_precision)
     if model.compiled:
         phase("compile", batcher.compile)
     batcher.start()

@@ -45,6 +45,9 @@ class Settings:
     max_batch: int = 64  # batching server: most requests decoded together per GPU (fewer if memory is short)
     max_queue: int = 64  # batching server: requests that may wait for a slot; more get 503 + Retry-After
     prefix_cache: int = 8  # batching server: reference-voice prompt prefills kept on the GPU
+    # batching server, streamed codec on a GPU: auto (the conv decoder in float16, the fronts' float32
+    # matmuls in TF32; 51 dB SNR against float32) | float32 (the codec's own precision throughout)
+    codec_precision: str = "auto"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
@@ -65,7 +68,7 @@ class Settings:
     def validate(self) -> None:
         choices = {"quantize": ("auto", "int8", "none"), "compile": ("auto", "true", "false"),
                    "dtype": ("auto", "bf16", "fp16", "fp32"), "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-                   "server": ("batching", "mms")}
+                   "server": ("batching", "mms"), "codec_precision": ("auto", "float32")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{PREFIX}{name.upper()}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")

@@ -155,6 +155,16 @@ def test_a_closed_loop_level_keeps_each_client_to_one_request_at_a_time(tiny_che
     assert len({t.job.params.seed for t in tickets}) == 6
 
 
+def test_the_codec_precision_reaches_the_streaming_codec(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cpu")
+    fast = BatchEngine(engine, max_batch=1)._codec.codec  # on a GPU: float16 back, TF32 fronts
+    assert fast.front_tf32 and fast.back.dtype == engine.codec._param.dtype  # (the CPU's back stays float32)
+    exact = BatchEngine(engine, max_batch=1, codec_precision="float32")._codec.codec
+    assert not exact.front_tf32 and exact.back.dtype == engine.codec._param.dtype == torch.float32
+    with pytest.raises(ValueError, match="codec precision 'float16'"):
+        BatchEngine(engine, max_batch=1, codec_precision="float16")
+
+
 def test_bad_jobs_fail_alone(tiny_checkpoint):
     """A prompt too long for the cache fails in the same admission as two good ones, which
     start first; retiring it moves the last good one into its slot, which must not change

@@ -107,11 +107,14 @@ def test_response_format_errors():
 def test_settings_from_env_are_validated():
     from fish_sm.errors import ConfigError
 
-    s = Settings.from_env({"FISH_SM_ALLOWED_BUCKETS": "a, b", "FISH_SM_WARMUP": "0", "FISH_SM_QUANTIZE": "INT8", "PATH": "/bin"})
-    assert s.allowed_buckets == ("a", "b") and s.warmup == 0 and s.quantize == "int8"
+    s = Settings.from_env({"FISH_SM_ALLOWED_BUCKETS": "a, b", "FISH_SM_WARMUP": "0", "FISH_SM_QUANTIZE": "INT8", "PATH": "/bin",
+                           "FISH_SM_CODEC_PRECISION": "float32"})
+    assert s.allowed_buckets == ("a", "b") and s.warmup == 0 and s.quantize == "int8" and s.codec_precision == "float32"
+    assert Settings.from_env({}).codec_precision == "auto"
     for env, message in [({"FISH_SM_WARMUP": "two"}, "FISH_SM_WARMUP='two' is not a valid int"),
                          ({"FISH_SM_QUANTISE": "int8"}, "unknown setting FISH_SM_QUANTISE"),
                          ({"FISH_SM_COMPILE": "maybe"}, "FISH_SM_COMPILE='maybe'"),
+                         ({"FISH_SM_CODEC_PRECISION": "float16"}, "FISH_SM_CODEC_PRECISION='float16': choose one of auto, float32"),
                          ({"FISH_SM_MAX_TEXT_CHARS": "0"}, "FISH_SM_MAX_TEXT_CHARS must be at least 1")]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             Settings.from_env(env)
