@@ -129,15 +129,20 @@ class Captures:
         # thread_local: the decode loop keeps launching on its own thread while this captures.
         return torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local")
 
-    @contextmanager
     def matmuls(self):
         """The fronts' matmul precision, for this block only."""
-        before = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = self.tf32
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = before
+        return backend_flag(torch.backends.cuda.matmul, "allow_tf32", self.tf32)
+
+
+@contextmanager
+def backend_flag(backend, name: str, value):
+    """A process-wide `torch.backends` flag set to `value` for this block only."""
+    before = getattr(backend, name)
+    setattr(backend, name, value)
+    try:
+        yield
+    finally:
+        setattr(backend, name, before)
 
 
 def _captured_decode(codec: Codec, codes: Tensor, state: State, warm_up: State, captures: Captures) -> tuple:
@@ -321,14 +326,9 @@ class RowsGraph:
         return self.latents[:b].clone(), torch._foreach_mul([t[:b] for t in self.outputs], 1)
 
 
-@contextmanager
 def cudnn_benchmark():
-    """cuDNN's benchmark mode, for this block only (it is process-wide)."""
-    before, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, True
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
+    """cuDNN's benchmark mode, for this block only."""
+    return backend_flag(torch.backends.cudnn, "benchmark", True)
 
 
 class ConvBack(nn.Module):
