@@ -359,8 +359,15 @@ def batching_level(batcher, n: int, frames: int, stream: bool, rounds: int = 1) 
     tickets, results = [t for t, _ in pairs], [r for _, r in pairs]
     decode = [(r.frames - 1) / (t.timings["queue"] + t.timings["generate"] - t.timings["first_frame"])
               for t, r in zip(tickets, results) if r.frames >= frames // 2] or [0.0]
+    # The decode loop's span: from the level's first first frame to its last last frame.
+    span = (max(t.submitted + t.timings["queue"] + t.timings["generate"] for t in tickets)
+            - min(t.submitted + t.timings["first_frame"] for t in tickets))
     level = {"streams": n, "stream": stream, "rounds": rounds,
              "aggregate_frames_per_s": sum(r.frames for r in results) / wall,
+             # Frames after each request's first, over that span: the transformer's aggregate
+             # decode rate with the codec running beside it (no admission before, no codec tail after).
+             "aggregate_decode_frames_per_s": sum(r.frames - 1 for r in results) / span if span > 0 else 0.0,
+             "decode_span_s": span,
              "per_request_decode_frames_per_s_min": min(decode),
              "per_request_decode_frames_per_s_median": statistics.median(decode),
              "stopped_early": sum(r.frames < frames // 2 for r in results),
@@ -540,13 +547,20 @@ def targets_table(report: dict) -> str:
         loops = {level["streams"]: level for level in curve["levels"] if level["stream"] and level.get("rounds", 1) > 1}
         at32, one, seq = levels.get(32), levels.get(1), curve.get("sequential")
         label = f"batching, {curve['mode']}"
-        if 32 in loops:  # 32 callers, as `fish-sm bench --concurrency 32` has them
-            loop = loops[32]
-            row(f"{label}: 32 streams, closed loop of {loop['rounds']} rounds", ">= 6,000 frames/s",
-                f"{loop['aggregate_frames_per_s']:,.0f} frames/s", loop["aggregate_frames_per_s"] >= 6000)
+        # Two readings of the target each way: the decode loop's rate over its span (first frame
+        # to last), and every frame over the whole wall (text to last audio).
+        loop = loops.get(32)
+        for name, level in ((f"32 streams, closed loop of {loop and loop['rounds']} rounds", loop),
+                            ("32 streams, one burst", at32)):
+            if level is None:
+                continue
+            if "aggregate_decode_frames_per_s" in level:
+                decode = level["aggregate_decode_frames_per_s"]
+                row(f"{label}: {name}, decode (first frame to last)", ">= 6,000 frames/s", f"{decode:,.0f} frames/s",
+                    decode >= 6000)
+            row(f"{label}: {name}, text to last audio", ">= 6,000 frames/s",
+                f"{level['aggregate_frames_per_s']:,.0f} frames/s", level["aggregate_frames_per_s"] >= 6000)
         if at32:
-            row(f"{label}: 32 streams, one burst", ">= 6,000 frames/s", f"{at32['aggregate_frames_per_s']:,.0f} frames/s",
-                at32["aggregate_frames_per_s"] >= 6000)
             row(f"{label}: each of 32 streams", ">= 5x real time", f"{at32['per_request_realtime_x_min']:.2f}x (slowest)",
                 at32["per_request_realtime_x_min"] >= 5)
             row(f"{label}: first audio p95 at 32 (engine, not HTTP)", "<= 300 ms", f"{at32['first_audio_ms_p95']:.0f} ms",

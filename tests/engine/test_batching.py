@@ -152,6 +152,9 @@ def test_a_closed_loop_level_keeps_each_client_to_one_request_at_a_time(tiny_che
         level = benchmark.batching_level(batcher, 2, 6, True, rounds=3)
     assert level["rounds"] == 3 and level["stopped_early"] == 0
     assert level["aggregate_frames_per_s"] * level["wall_s"] == pytest.approx(2 * 3 * 6)
+    # The decode span: inside the wall, and every frame after each request's first counted in it.
+    assert 0 < level["decode_span_s"] < level["wall_s"]
+    assert level["aggregate_decode_frames_per_s"] * level["decode_span_s"] == pytest.approx(2 * 3 * 5)
     assert len({t.job.params.seed for t in tickets}) == 6
 
 
