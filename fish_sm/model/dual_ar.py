@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fish_sm.errors import CheckpointError
-from fish_sm.model import decode_attention, row_products
+from fish_sm.model import decode_attention, row_products, split_products
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE, ModelConfig
 from fish_sm.model.layers import RMSNorm, apply_rope, rope_table
 from fish_sm.model.weights import read_state_dict, strip_prefix, take
@@ -207,6 +207,16 @@ class TransformerBlock(nn.Module):
         h = x + self.attention.wo(y)
         return h + self.feed_forward(self.ffn_norm(h))
 
+    def _post_attention_split(self, x: Tensor, y: Tensor) -> Tensor:
+        """`_post_attention` of a step of several rows, wo and w2 with their residual adds as
+        `split_products` kernels (the same arithmetic)."""
+        h = split_products.split_product(y, self.attention.wo.weight, x, self.split_counts)
+        gate, up = self.feed_forward.w13(self.ffn_norm(h)).chunk(2, dim=-1)
+        return split_products.split_product(F.silu(gate) * up, self.feed_forward.w2.weight, h, self.split_counts)
+
+    def split_products_readable(self) -> bool:
+        return split_products.readable(self.attention.wo) and split_products.readable(self.feed_forward.w2)
+
     # A decode step of one row on `row_products` kernels (norms, SwiGLU and residual adds fused
     # into the products); their weights are the buffers `attach_row_weights` sets.
     PRODUCTS = {"wqkv": ("attention", "wqkv"), "wo": ("attention", "wo"), "w13": ("feed_forward", "w13"),
@@ -267,6 +277,8 @@ NOT_WITH_INT8 = ("triton.enable_pdl",)
 # Several rows (the batching engine): matmuls stay with cuBLAS, and tuning would be redone
 # for every batch size at start. No PDL: with it, 32 and 64 streams were 2-7% slower.
 MANY_ROWS_OPTIONS: dict = {}
+# Several rows: wo and w2 (and their residual adds) as `split_products` kernels instead of cuBLAS.
+SPLIT_PRODUCTS = True
 
 
 def _has_option(config, name: str) -> bool:
@@ -378,10 +390,17 @@ class DualARTransformer(nn.Module):
         rows = self.uses_row_products() if rows is None else rows
         halves = TransformerBlock._pre_attention_writing, TransformerBlock._post_attention
         one_row = None if rows else tuple(compile_decode(f, True, int8=self.quantized) for f in halves)
-        compiled = (one_row, tuple(compile_decode(f, False, int8=self.quantized) for f in halves))
-        for block in [*self.layers, *self.fast_layers]:
+        blocks = [*self.layers, *self.fast_layers]
+        # Steps of several rows: wo and w2 as `split_products` kernels where their weights are
+        # plain (not torchao's INT8); on the CPU the same arithmetic in torch.
+        split = SPLIT_PRODUCTS and all(b.split_products_readable() for b in blocks)
+        many = (halves[0], TransformerBlock._post_attention_split if split else halves[1])
+        compiled = (one_row, tuple(compile_decode(f, False, int8=self.quantized) for f in many))
+        for block in blocks:
             if rows:
                 block.attach_row_weights()
+            if split:
+                split_products.attach(block)
             block.compiled = compiled
         if rows:
             row_products.attach(self, "head", self.head)
