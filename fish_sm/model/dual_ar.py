@@ -150,8 +150,12 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.gated(x))
+
+    def gated(self, x: Tensor) -> Tensor:
+        """w2's input: silu(gate) * up."""
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return F.silu(gate) * up
 
 
 class TransformerBlock(nn.Module):
@@ -211,8 +215,8 @@ class TransformerBlock(nn.Module):
         """`_post_attention` of a step of several rows, wo and w2 with their residual adds as
         `split_products` kernels (the same arithmetic)."""
         h = split_products.split_product(y, self.attention.wo.weight, x, self.split_counts)
-        gate, up = self.feed_forward.w13(self.ffn_norm(h)).chunk(2, dim=-1)
-        return split_products.split_product(F.silu(gate) * up, self.feed_forward.w2.weight, h, self.split_counts)
+        gated = self.feed_forward.gated(self.ffn_norm(h))
+        return split_products.split_product(gated, self.feed_forward.w2.weight, h, self.split_counts)
 
     def split_products_readable(self) -> bool:
         return split_products.readable(self.attention.wo) and split_products.readable(self.feed_forward.w2)
