@@ -93,6 +93,16 @@ def recapture_codec(worker, retired: list) -> None:
     worker.capture(pieces=12)
 
 
+def recaptured_steps(batcher) -> dict:
+    """A compiled batching engine's decode steps and first frames captured again, as
+    `BatchEngine.compile` captures them (with the layers as compiled now), into a pool of their
+    own: the new graphs, also left in place (the old ones stay alive with whoever holds them)."""
+    step = batcher._step
+    step.graphs, step.pool = {}, torch.cuda.graph_pool_handle()
+    step.capture_all(batcher.batch_sizes)
+    return dict(step.graphs)
+
+
 def kernels_ms(prof, width: int = 90) -> collections.Counter:
     """A finished CUDA profile's kernel time in ms by name (cut to `width` characters)."""
     by_name = collections.Counter()

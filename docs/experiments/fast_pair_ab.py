@@ -11,7 +11,7 @@ import json, os, sys, time
 
 import torch
 
-from experiment_tools import compiled_batcher, settings_in_turns
+from experiment_tools import compiled_batcher, recaptured_steps, settings_in_turns
 
 from fish_sm.engine import generate
 from fish_sm.engine.benchmark import profile_decode
@@ -29,9 +29,7 @@ step = batcher._step
 graphs = {"pair": dict(step.graphs)}
 generate.FAST_PAIR = False
 t0 = time.perf_counter()
-step.graphs, step.pool = {}, torch.cuda.graph_pool_handle()
-step.capture_all(batcher.batch_sizes)  # decode steps and first frames, as `BatchEngine.compile` captures them
-graphs["two"] = dict(step.graphs)
+graphs["two"] = recaptured_steps(batcher)
 out["recapture_s"] = time.perf_counter() - t0
 freeze_start_up_objects()
 

@@ -11,12 +11,14 @@ into the residual add after it.
 
     python docs/experiments/skinny_gemm.py [ROWS=32,64]    # GPU: writes $OUT/skinny_gemm.json
 """
-import itertools, json, os, sys, time
+import itertools, json, os, sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from experiment_tools import graphed_us
 
 SHAPES = {"slow wqkv": (4096, 1024), "slow wo": (1024, 2048), "w13": (6144, 1024), "w2": (1024, 3072),
           "fast wqkv": (2048, 1024), "fast wo": (1024, 1024)}
@@ -47,20 +49,6 @@ def skinny(x_ptr, w_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
         tl.atomic_add(out_ptr + m[:, None] * N + n[None, :], acc, mask=live, sem="relaxed")
 
 
-def graphed_us(fn) -> float:
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(CALLS):
-            fn(i)
-    g.replay(); torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (5 * CALLS) * 1e6
-
-
 def main() -> None:
     rows_list = [int(r) for r in (sys.argv[1] if len(sys.argv) > 1 else "32,64").split(",")]
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "results": []}
@@ -71,7 +59,8 @@ def main() -> None:
         y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         acc = torch.empty(rows, n, device="cuda", dtype=torch.float32)
         want = F.linear(x, ws[0]).float()
-        cublas = graphed_us(lambda i=0: torch.mm(x, ws[i % COPIES].t(), out=y))
+        turn = itertools.cycle(ws)  # each call captured reads the next copy
+        cublas = graphed_us(lambda: torch.mm(x, next(turn).t(), out=y), CALLS)
         block_m = max(16, triton.next_power_of_2(rows))
         tried = []
         for c in CONFIGS:
@@ -82,13 +71,13 @@ def main() -> None:
                         num_stages=c["num_stages"], num_warps=c["num_warps"])
             split = c["SPLIT"] > 1
 
-            def kernel(i=0):
-                skinny[grid](x, ws[i % COPIES], acc if split else y, rows, n, k, **meta)
+            def kernel(w=ws[0]):
+                skinny[grid](x, w, acc if split else y, rows, n, k, **meta)
 
-            def total(i=0):
+            def total(w=ws[0]):
                 if split:
                     acc.zero_()
-                kernel(i)
+                kernel(w)
                 if split:
                     y.copy_(acc)
 
@@ -96,7 +85,8 @@ def main() -> None:
                 total()
                 torch.cuda.synchronize()
                 err = ((y.float() - want).abs().max() / want.abs().max()).item()
-                tried.append({**c, "kernel_us": graphed_us(kernel), "total_us": graphed_us(total), "rel_err": err})
+                tried.append({**c, "kernel_us": graphed_us(lambda: kernel(next(turn)), CALLS),
+                              "total_us": graphed_us(lambda: total(next(turn)), CALLS), "rel_err": err})
             except Exception as exc:  # a config Triton cannot build (shared memory): skipped, noted
                 tried.append({**c, "error": str(exc)[:120]})
         ok = [t for t in tried if "total_us" in t and t["rel_err"] < 2e-2]

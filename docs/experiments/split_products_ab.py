@@ -12,7 +12,7 @@ import json, os, sys, time
 
 import torch
 
-from experiment_tools import compiled_batcher
+from experiment_tools import compiled_batcher, recaptured_steps
 
 from fish_sm.engine.batching import Job
 from fish_sm.engine.benchmark import BATCH_TEXTS, batching_level, profile_decode
@@ -37,9 +37,7 @@ t0 = time.perf_counter()
 halves["cublas"] = (halves["split"][0], (halves["split"][1][0], compile_decode(TransformerBlock._post_attention, False)))
 for b in blocks:
     b.compiled = halves["cublas"]
-step.graphs, step.pool = {}, torch.cuda.graph_pool_handle()
-step.capture_all(batcher.batch_sizes)  # decode steps and first frames, as `BatchEngine.compile` captures them
-graphs["cublas"] = dict(step.graphs)
+graphs["cublas"] = recaptured_steps(batcher)
 out["recapture_s"] = time.perf_counter() - t0
 freeze_start_up_objects()
 
