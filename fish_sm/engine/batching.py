@@ -277,8 +277,8 @@ class BatchEngine:
         for batch in sorted({1, min(2, self.slots)}):
             tokens = torch.zeros(batch, self.rows, width, dtype=torch.long, device=dev)
             positions = torch.arange(width, device=dev).expand(batch, width)
-            model.forward_slow(tokens, positions, width, key_pos=model.positions[:width],
-                               row=torch.arange(batch, device=dev), last=torch.full((batch,), width - 1, device=dev))
+            self._admission(tokens, positions, torch.arange(batch, device=dev),
+                            torch.full((batch,), width - 1, device=dev), width, from_zero=True, captured=False)
 
     def start(self) -> "BatchEngine":
         # The decode loop and the codec thread hand the GIL to each other many times a
@@ -470,9 +470,11 @@ class BatchEngine:
                    captured: bool = True):
         """The slow transformer over padded prompts: a captured admission's replay where
         there is one (prompts from position 0), else the compiled layers (eagerly on CPU)
-        attending over the `live` slots in use."""
+        attending over the `live` slots in use; from position 0, causally over their own."""
         if captured and from_zero and self._step is not None and (tokens.shape[0], tokens.shape[-1]) in self._step.admissions:
             return self._step.admit(tokens, positions, rows, last)
+        if from_zero:
+            return self.model.forward_slow(tokens, positions, tokens.shape[-1], row=rows, last=last)
         return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
 
     def _prefill_batch(self, group: list[tuple[_Request, Tensor, int]], pending: list) -> None:

@@ -344,8 +344,8 @@ class GraphedStep:
     @torch.inference_mode()
     def capture_admission(self, batch: int, width: int) -> None:
         """A prefill of `batch` prompts from position 0 (no reused prefix), padded at their
-        ends to `width` positions, each into its own cache row, attending over the first
-        `width` slots (those after a query masked): the batching engine's admissions as one
+        ends to `width` positions, each into its own cache row, attending causally
+        over its own `width` positions: the batching engine's admissions as one
         replay, not ~1,300 kernels launched from Python (measured 40-170 ms under load,
         every stream waiting). Captured before serving: it writes into cache rows 0..batch-1."""
         model, dev = self.model, self.model.device
@@ -353,7 +353,7 @@ class GraphedStep:
              "positions": torch.arange(width, device=dev).repeat(batch, 1),
              "row": torch.arange(batch, device=dev), "last": torch.zeros(batch, dtype=torch.long, device=dev)}
         graph, out = self._capture(lambda: model.forward_slow(x["tokens"], x["positions"], width,
-                                                              key_pos=model.positions[:width], row=x["row"], last=x["last"]))
+                                                              row=x["row"], last=x["last"]))
         self.admissions[(batch, width)] = graph, x, out
 
     def admit(self, tokens: Tensor, positions: Tensor, row: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:

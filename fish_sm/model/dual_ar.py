@@ -112,6 +112,11 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, live: int, mask: Tensor | None,
                row: int | Tensor = 0) -> Tensor:
         """Write k/v to the cache, attend over its first `live` slots; [B, S, heads * head_dim]."""
+        if mask is None and q.shape[2] == live:
+            # From position 0, the live slots are exactly the new k/v: attend over them as they
+            # are, not over the cache read back (through indices, for rows named by a tensor).
+            self.kv_cache.write(input_pos, k, v, row)
+            return self.over(q, k, v, input_pos, live, mask)
         k, v = self.kv_cache.update(input_pos, k, v, live, row)
         return self.over(q, k, v, input_pos, live, mask)
 
@@ -124,13 +129,19 @@ class Attention(nn.Module):
             # which the kernel applies itself, reading only each row's live slots.
             return decode_attention.decode_attention(q, k, v, input_pos)
         if mask is not None:
-            # Several query positions (a batch of prompts, each from its own position): not
-            # cuDNN, which builds a plan for every new shape, and prompt lengths vary.
-            backends = contextlib.nullcontext() if seqlen == 1 else sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION,
-                                                                                  SDPBackend.MATH])
+            backends = contextlib.nullcontext()
+            if seqlen > 1:
+                # Several query positions (prompts continuing a reused prefix): the efficient
+                # kernel, which takes a mask but not grouped heads (with them SDPA fell back to
+                # its float32 math path), so the heads are expanded; not cuDNN, which builds a
+                # plan for every new shape, and prompt lengths vary.
+                backends = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+                if gqa and q.is_cuda:
+                    k, v = (t.repeat_interleave(self.n_head // self.n_local_heads, dim=1) for t in (k, v))
+                    gqa = False
             with backends:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif seqlen == live:  # a prefill from position 0: plain causal attention
+        elif seqlen == live:  # a prefill from position 0 (flash attention on CUDA): plain causal attention
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif seqlen == 1:  # one new token sees every live key
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
@@ -455,7 +466,8 @@ class DualARTransformer(nn.Module):
         """Run the slow transformer over `tokens` [B, 1 + C, S] at `input_pos` — a contiguous
         range [S] shared by the batch, or [B, S] per row — attending over the first `live`
         cache slots (at least input_pos[-1] + 1) of cache rows row..row+B-1 (or the rows
-        a tensor `row` names).
+        a tensor `row` names). With `live` equal to S (from position 0), attention is causal
+        over the new positions' own k/v.
 
         `key_pos` (arange of a bucketed length: the compiled step, the batching engine)
         replaces `live`: attention then reads that many slots, masking those after each query.
