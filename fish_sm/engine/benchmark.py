@@ -353,15 +353,15 @@ def batching_level(batcher, n: int, frames: int, stream: bool, rounds: int = 1) 
     t0 = time.perf_counter()
     opening = [submit(i) for i in range(n)]
     with ThreadPoolExecutor(max_workers=n) as pool:
-        later = pool.map(lambda c: [(opening[c], opening[c].result())] + client(c), range(n))
-        pairs = [pair for done in later for pair in done]
+        clients = list(pool.map(lambda c: [(opening[c], opening[c].result())] + client(c), range(n)))
+        pairs = [pair for done in clients for pair in done]
     wall = time.perf_counter() - t0
     tickets, results = [t for t, _ in pairs], [r for _, r in pairs]
     decode = [(r.frames - 1) / (t.timings["queue"] + t.timings["generate"] - t.timings["first_frame"])
               for t, r in zip(tickets, results) if r.frames >= frames // 2] or [0.0]
     # The decode loop's span: from the level's first first frame to its last last frame.
-    span = (max(t.submitted + t.timings["queue"] + t.timings["generate"] for t in tickets)
-            - min(t.submitted + t.timings["first_frame"] for t in tickets))
+    first_at, last_at = _frame_times(tickets)
+    span = max(last_at) - min(first_at)
     level = {"streams": n, "stream": stream, "rounds": rounds,
              "aggregate_frames_per_s": sum(r.frames for r in results) / wall,
              # Frames after each request's first, over that span: the transformer's aggregate
@@ -375,6 +375,15 @@ def batching_level(batcher, n: int, frames: int, stream: bool, rounds: int = 1) 
              # submission to the last audio, as `sequential_requests` times the sequential engine
              "end_to_end_frames_per_s_median": statistics.median(r.frames / t.timings["total"]
                                                                  for t, r in zip(tickets, results))}
+    if rounds > 1:
+        # While every client is still in the loop: from the first first frame until the first
+        # client's last frame. After it fewer than `n` streams run (clients whose requests
+        # stopped early finish first), which is a tail of the benchmark, not `n` concurrent streams.
+        start, end = min(first_at), min(max(_frame_times([t for t, _ in done])[1]) for done in clients)
+        inside = sum((r.frames - 1) * _overlap(f, l, start, end)
+                     for r, f, l in zip(results, first_at, last_at))
+        level["steady_decode_frames_per_s"] = inside / (end - start) if end > start else 0.0
+        level["steady_window_s"] = end - start
     # Where the wait goes: until admitted (queue), until the first frame, until first audio.
     level["admitted_ms_p50"] = statistics.median(t.timings["queue"] * 1e3 for t in tickets)
     level["first_frame_ms_p50"] = statistics.median(t.timings["first_frame"] * 1e3 for t in tickets)
@@ -383,6 +392,20 @@ def batching_level(batcher, n: int, frames: int, stream: bool, rounds: int = 1) 
         level["first_audio_ms_p50"] = statistics.median(first)
         level["first_audio_ms_p95"] = first[min(len(first) - 1, math.ceil(0.95 * len(first)) - 1)]
     return level
+
+
+def _frame_times(tickets) -> tuple[list[float], list[float]]:
+    """Each request's first and last frame (time.perf_counter)."""
+    return ([t.submitted + t.timings["first_frame"] for t in tickets],
+            [t.submitted + t.timings["queue"] + t.timings["generate"] for t in tickets])
+
+
+def _overlap(first: float, last: float, start: float, end: float) -> float:
+    """The part of a request's frames decoded within [start, end], its frames taken as evenly
+    spread from its first frame to its last."""
+    if last <= first:
+        return float(start <= first <= end)
+    return max(0.0, min(last, end) - max(first, start)) / (last - first)
 
 
 def sequential_requests(engine: Engine, frames: int, requests: int = 3) -> dict:
@@ -553,6 +576,11 @@ def targets_table(report: dict) -> str:
         named = ([(f"32 streams, closed loop of {loop['rounds']} rounds", loop)] if loop else []) + (
             [("32 streams, one burst", at32)] if at32 else [])
         for name, level in named:
+            if "steady_decode_frames_per_s" in level:
+                steady = level["steady_decode_frames_per_s"]
+                row(f"{label}: {name}, decode while all 32 clients are in the loop "
+                    f"({level['steady_window_s']:.2f} of {level['decode_span_s']:.2f} s)", ">= 6,000 frames/s",
+                    f"{steady:,.0f} frames/s", steady >= 6000)
             if "aggregate_decode_frames_per_s" in level:
                 decode = level["aggregate_decode_frames_per_s"]
                 row(f"{label}: {name}, decode (first frame to last)", ">= 6,000 frames/s", f"{decode:,.0f} frames/s",

@@ -156,6 +156,26 @@ def test_a_closed_loop_level_keeps_each_client_to_one_request_at_a_time(tiny_che
     assert 0 < level["decode_span_s"] < level["wall_s"]
     assert level["aggregate_decode_frames_per_s"] * level["decode_span_s"] == pytest.approx(2 * 3 * 5)
     assert len({t.job.params.seed for t in tickets}) == 6
+    # The steady window ends with the first client's last frame: inside the span, and it holds
+    # at least that client's frames after its first request's first (it started the span or
+    # started with it) and no more than every frame.
+    last = [max(t.submitted + t.timings["queue"] + t.timings["generate"] for t in tickets
+                if t.job.params.seed % 2 == c) for c in (0, 1)]  # client c sends seeds c, 2 + c, 4 + c
+    first = min(t.submitted + t.timings["first_frame"] for t in tickets)
+    assert level["steady_window_s"] == pytest.approx(min(last) - first)
+    assert 0 < level["steady_window_s"] <= level["decode_span_s"]
+    frames = level["steady_decode_frames_per_s"] * level["steady_window_s"]
+    assert 2 * 5 <= frames <= 2 * 3 * 5 + 1e-6
+
+
+def test_steady_window_counts_each_request_pro_rata():
+    from fish_sm.engine.benchmark import _overlap
+
+    assert _overlap(1.0, 3.0, 0.0, 5.0) == 1.0  # wholly inside
+    assert _overlap(1.0, 3.0, 2.0, 5.0) == pytest.approx(0.5)  # half after the start
+    assert _overlap(1.0, 3.0, 0.0, 1.5) == pytest.approx(0.25)  # a quarter before the end
+    assert _overlap(4.0, 6.0, 0.0, 3.0) == 0.0  # after the window
+    assert _overlap(2.0, 2.0, 0.0, 3.0) == 1.0 and _overlap(4.0, 4.0, 0.0, 3.0) == 0.0  # one frame
 
 
 def test_the_codec_precision_reaches_the_streaming_codec(tiny_checkpoint):
