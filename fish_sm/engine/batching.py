@@ -44,9 +44,12 @@ from fish_sm.engine.engine import (DEFAULT_CHUNK_LENGTH, Engine, Reference, Synt
                                    request_generator)
 from fish_sm.engine.generate import (GraphedStep, HostCopy, admission_shape, admission_shapes, attention_bucket,
                                      batch_sizes, decode_frame, frame_budget, noise_size, sample_frame, to_device)
+from fish_sm.engine import sampling_kernels
 from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
+from fish_sm.engine.sampling_kernels import exponential_noise, noise_key
 from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
 from fish_sm.engine.text import split_text
+from fish_sm.model.dual_ar import copy_cache_rows
 from fish_sm.errors import FishSMError, InputError
 
 logger = logging.getLogger("fish_sm.batching")
@@ -149,6 +152,7 @@ class _Request:
     chunks: list[str]
     generator: torch.Generator
     slot: int = -1
+    draws: int = 0  # frames of noise drawn so far (the counter of `sampling_kernels.noise_key`)
     chunk: int = -1  # index into chunks; -1 before the first prefill
     length: int = 0  # prompt tokens of the current chunk
     max_new: int = 0
@@ -186,6 +190,10 @@ class BatchEngine:
         self.history = torch.zeros(self.slots, self.rows, self.max_seq_len + PENALTY_WINDOW, dtype=torch.long, device=dev)
         self.sampling = torch.ones(3, self.slots, 1, device=dev)  # temperature, top_p, penalty per slot
         self.noise = torch.ones(self.slots, noise_size(model), device=dev)
+        # On CUDA a step's noise is one kernel keyed by each request's seed and frame number
+        # (`sampling_kernels.exponential_noise`); on the CPU each request's generator draws it,
+        # as the sequential engine does, so that the two give the same codes.
+        self.keyed_noise = sampling_kernels.usable(dev)
         self.window_offsets = torch.arange(PENALTY_WINDOW, device=dev)
         self.prefixes = PrefixCache(prefix_cache)
         self._step = None
@@ -489,8 +497,12 @@ class BatchEngine:
         # (5.3-5.5 ms median of the decode loop's time per admission on an H100; sixteenth pass).
         self.history.index_fill_(0, rows, 0)
         temperature, top_p, penalty = self.sampling[:, rows]
-        noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
-                             for r in requests])
+        if self.keyed_noise:
+            keys = to_device(torch.tensor([self._noise_key(r) for r in requests]), dev)
+            noise = exponential_noise(keys, torch.empty(len(requests), self.noise.shape[1], device=dev))
+        else:
+            noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
+                                 for r in requests])
         if self._step is None:
             frames = sample_frame(model, logits, hidden, None, noise, temperature, top_p, penalty)
         else:
@@ -507,15 +519,20 @@ class BatchEngine:
             return None
         n = len(self._active)
         batch = next(b for b in self.batch_sizes if b >= n)
-        pos, index = [0] * batch, [0] * batch
+        pos, index, keys = [0] * batch, [0] * batch, [0] * batch
         for r in rows:
             pos[r.slot] = r.length + r.computed - 1  # where the last frame goes
             index[r.slot] = r.computed - 1  # which frame of the chunk it is
-            self.noise[r.slot].exponential_(1, generator=r.generator)
+            if self.keyed_noise:
+                keys[r.slot] = self._noise_key(r)
+            else:
+                self.noise[r.slot].exponential_(1, generator=r.generator)
         live = max(pos) + 1
         key_pos = self.model.positions[: attention_bucket(self.max_seq_len, live)]
-        pos_index = to_device(torch.tensor([pos, index]), self.device)
+        pos_index = to_device(torch.tensor([pos, index, keys]), self.device)
         input_pos, frame_index = pos_index[0], pos_index[1]
+        if self.keyed_noise:
+            exponential_noise(pos_index[2], self.noise[:batch])
         start = (frame_index - PENALTY_WINDOW).clamp(min=0)
         columns = (start[:, None] + self.window_offsets)[:, None, :].expand(batch, self.rows, PENALTY_WINDOW)
         window = self.history[:batch].gather(2, columns)
@@ -529,6 +546,11 @@ class BatchEngine:
         for r in rows:
             r.computed += 1
         return [(r, r.chunk, r.computed - 1, r.slot, copy) for r in rows]
+
+    @staticmethod
+    def _noise_key(request: _Request) -> int:
+        request.draws += 1
+        return noise_key(request.generator.initial_seed(), request.draws - 1)
 
     def _check(self, pending: list, step) -> list:
         """Stop checks and delivery for frames queued earlier (while `step` runs on the GPU)."""
@@ -597,8 +619,7 @@ class BatchEngine:
     def _move(self, request: _Request, slot: int) -> None:
         src = request.slot
         live = request.length + request.computed
-        for block in self.model.layers:
-            block.attention.kv_cache.copy_row(slot, src, live)
+        copy_cache_rows([block.attention.kv_cache for block in self.model.layers], slot, src, live)
         self.history[slot] = self.history[src]
         self.current[slot] = self.current[src]
         self.sampling[:, slot] = self.sampling[:, src]

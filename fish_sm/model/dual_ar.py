@@ -77,9 +77,13 @@ class KVCache(nn.Module):
             return self.k[row, :, :live], self.v[row, :, :live]
         return self.k[row : row + batch, :, :live], self.v[row : row + batch, :, :live]
 
-    def copy_row(self, dst: int, src: int, length: int) -> None:
-        self.k[dst, :, :length] = self.k[src, :, :length]
-        self.v[dst, :, :length] = self.v[src, :, :length]
+
+def copy_cache_rows(caches: list[KVCache], dst: int, src: int, length: int) -> None:
+    """Row `src`'s first `length` slots into row `dst` of every cache in one call: the batching
+    loop moved a request with a copy a cache from Python, ~3 ms a move of 28 layers (H100)."""
+    def rows(row: int) -> list[Tensor]:
+        return [t.select(0, row).narrow(1, 0, length) for cache in caches for t in (cache.k, cache.v)]
+    torch._foreach_copy_(rows(dst), rows(src))
 
 
 class Attention(nn.Module):

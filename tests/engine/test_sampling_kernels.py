@@ -157,3 +157,26 @@ def test_row_kernels_pick_what_the_torch_sampling_picks(top_p):
         picks += rows
         assert torch.equal(x, table[code])
     assert agree >= 0.98 * picks
+
+
+def test_noise_keys_depend_on_the_seed_and_the_draw_only():
+    keys = {sampling_kernels.noise_key(seed, draw) for seed in (0, 1, 2**64 - 1, -1) for draw in range(50)}
+    assert len(keys) == 150  # seed -1 is 2**64 - 1, as torch.Generator.manual_seed takes it
+    assert all(0 <= k < 2**63 for k in keys)
+    assert sampling_kernels.noise_key(7, 3) == sampling_kernels.noise_key(7, 3)
+
+
+@needs_gpu
+def test_keyed_noise_is_exponential_and_repeats_for_the_same_key():
+    n = 13313
+    keys = torch.tensor([sampling_kernels.noise_key(seed, draw) for seed in range(8) for draw in range(4)], device="cuda")
+    out = sampling_kernels.exponential_noise(keys, torch.empty(32, n, device="cuda"))
+    again = sampling_kernels.exponential_noise(keys.flip(0), torch.empty(32, n, device="cuda")).flip(0)
+    assert torch.equal(out, again)  # a row's draws depend on its key alone, not on its place in the batch
+    assert (out > 0).all() and torch.isfinite(out).all()
+    x = out.double().flatten()
+    assert abs(x.mean().item() - 1) < 0.01 and abs(x.var().item() - 1) < 0.02
+    # Exp(1): P(E > t) = exp(-t); and rows are not copies of each other.
+    for t in (0.1, 1.0, 3.0):
+        assert abs((x > t).double().mean().item() - torch.exp(torch.tensor(-t)).item()) < 0.005
+    assert torch.corrcoef(out[:4]).fill_diagonal_(0).abs().max() < 0.05
