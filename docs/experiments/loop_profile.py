@@ -2,8 +2,10 @@
 a closed loop of 32 clients x 6 requests: the loop thread's host time in each of its parts
 (admission bookkeeping, starting chunks and their prefill, queuing the step, checking
 frames, retiring requests and moving slots), per decode step; and the GPU time of the decode
-steps' replays and of the codec's batches (CUDA events on their own streams). Not part of
-the package.
+steps' replays and of the codec's batches (CUDA events on their own streams). As run for
+docs/benchmarks.md (eighteenth pass, calls 5 and 6), before a step's noise became one keyed
+kernel (its "noise draws" then counted a generator's `exponential_` per request). Not part
+of the package.
 
     cd docs/experiments && python3 loop_profile.py CHECKPOINT_DIR    # writes $OUT/loop_profile.json
 """
