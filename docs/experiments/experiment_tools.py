@@ -163,6 +163,27 @@ def settings_in_turns(batcher, settings: dict, streams: list[int], rounds: int, 
     return levels
 
 
+def bursts_and_loops_in_turns(batcher, settings: dict, rounds: int, streams: int = 32, loops: tuple = (1, 6),
+                              frames: int = 200) -> list[dict]:
+    """One BatchEngine under each named setting in turn (`settings[name]()` applies it),
+    `rounds` times: at each, `batching_level` of `streams` streamed requests as a burst and as
+    closed loops (`loops`: requests a client); one short line per level."""
+    levels = []
+    with batcher:
+        batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()
+        for round_ in range(rounds):
+            for name, apply in settings.items():
+                apply()
+                for loop in loops:
+                    level = {"setting": name, "round": round_, **batching_level(batcher, streams, frames, True, rounds=loop)}
+                    levels.append(level)
+                    print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in level.items() if k in (
+                        "setting", "round", "rounds", "aggregate_frames_per_s", "aggregate_decode_frames_per_s",
+                        "steady_decode_frames_per_s", "per_request_decode_frames_per_s_median", "stopped_early",
+                        "first_audio_ms_p95")}), flush=True)
+    return levels
+
+
 def decode_in_turns(engines: dict, rounds: int, out: dict, save=lambda: None) -> None:
     """Each named engine's `measure` (decode of a 1,098-token prompt, 2 x 400 frames) in turn,
     `rounds` times, so that drift between them shows: into out["rounds"], then each one's

@@ -626,6 +626,10 @@ class BatchEngine:
         request.slot = slot
 
 
+# A piece of a stream with more than SPARE_S seconds of audio unplayed may wait up to HOLD_S for
+# others of its length (CodecWorker._held).
+HOLD_S, SPARE_S = 0.1, 0.3
+
 # Padded prompt tokens prefilled together: 32 short requests in one prefill, a few long ones.
 PREFILL_TOKENS = 4096
 
@@ -664,6 +668,9 @@ class CodecWorker:
         self._streams: dict[int, _Audio] = {}  # id(ticket) -> its codec state, frames and audio so far
         self._thread: threading.Thread | None = None
         self._cuda = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+        # Pieces of streams with audio to spare wait up to `hold_s` for more of their length, so
+        # the codec decodes fewer, larger batches beside the decode loop (0: never wait).
+        self.hold_s, self.spare_s = HOLD_S, SPARE_S
 
     def capture(self, pieces: int) -> None:
         with self._on_stream():
@@ -695,7 +702,10 @@ class CodecWorker:
         with torch.inference_mode(), self._on_stream():
             running = True
             while running:
-                items = [self._queue.get()]
+                try:
+                    items = [self._queue.get(timeout=self._next_due())]
+                except queue.Empty:  # a held piece is due
+                    items = []
                 running = None not in items
                 try:
                     self._take_all(items)
@@ -739,8 +749,10 @@ class CodecWorker:
     def _decode_next(self) -> bool:
         """Decode one batch of ready pieces, the shortest ones (a request's first pieces go
         before the long pieces of requests already playing), and deliver it; False when no
-        piece is ready."""
+        piece is due. A group of pieces waits (`_held`) while it is short of a full batch and
+        every stream in it has audio to spare."""
         ready: dict[int, list[_Audio]] = {}
+        now = time.perf_counter()
         for entry in self._streams.values():
             n = self.codec.next_frames(entry.stream)
             if len(entry.frames) >= n or (entry.finished and entry.frames):
@@ -749,16 +761,37 @@ class CodecWorker:
                 # made one group of padded full pieces, and first pieces ready meanwhile waited
                 # for all of it.)
                 ready.setdefault(n, []).append(entry)
-        if not ready:
+                entry.ready_since = entry.ready_since or now
+        due = [n for n, entries in ready.items() if not self._held(n, entries, now)]
+        if not due:
             return False
-        n = min(ready)
+        n = min(due)
         group = [(entry, entry.frames[:n]) for entry in ready[n][: self.codec.rows_for(n)]]
         for entry, _ in group:
             del entry.frames[:n]
+            entry.ready_since = 0.0
         for (entry, _), samples in zip(group, self._decode_group(group)):
             if samples is not None:
                 self._deliver(entry, samples)
         return True
+
+    def _held(self, n: int, entries: list["_Audio"], now: float) -> bool:
+        """Whether a group of ready pieces of length `n` waits: fewer than a batch, none held
+        `hold_s` yet, and every one of a stream that has played less than it was given by more
+        than `spare_s` (so a request's first pieces and its last, which the client waits for,
+        never wait; nor a request whose whole audio is wanted at its end)."""
+        if self.hold_s <= 0 or len(entries) >= self.codec.rows_for(n):
+            return False
+        return all(e.ticket.job.stream and not e.finished and now < e.ready_since + self.hold_s
+                   and e.spare(now) > self.spare_s for e in entries)
+
+    def _next_due(self) -> float | None:
+        """Seconds until a held piece is due (None: nothing is held)."""
+        now = time.perf_counter()
+        held = [e for e in self._streams.values() if e.ready_since]
+        if not held:
+            return None
+        return max(0.0, min(min(e.ready_since + self.hold_s, now + e.spare(now) - self.spare_s) for e in held) - now)
 
     def _summarise_finished(self) -> None:
         for key, entry in list(self._streams.items()):
@@ -802,6 +835,8 @@ class CodecWorker:
         if ticket.job.stream:
             if "first_audio" not in ticket.timings:
                 ticket.timings["first_audio"] = time.perf_counter() - ticket.submitted
+                entry.playing_since = time.perf_counter()
+            entry.given_s += len(samples) / self.engine.sample_rate
             ticket.emit("audio", samples)
         else:
             entry.audio.append(samples)
@@ -838,3 +873,10 @@ class _Audio:
     audio: list = field(default_factory=list)
     finished: float = 0.0  # when its last frame was handed over (0: still decoding)
     all_codes: list = field(default_factory=list)
+    ready_since: float = 0.0  # when its next piece's frames were all there (0: not yet)
+    playing_since: float = 0.0  # its first audio (streamed)
+    given_s: float = 0.0  # audio streamed so far, in seconds
+
+    def spare(self, now: float) -> float:
+        """Seconds of streamed audio a listener who began at the first piece has not reached yet."""
+        return self.given_s - (now - self.playing_since) if self.playing_since else 0.0

@@ -278,6 +278,7 @@ def test_the_codec_decodes_the_shortest_ready_pieces_first(solo):
     """A new request's first piece goes before the full-length pieces of requests already
     playing, though theirs were ready first: it waits behind one batch, not a round of all."""
     worker = CodecWorker(solo, first_piece=4, largest_piece=64)  # not started: driven by hand
+    worker.hold_s = 0  # no piece waits for company (see the next test)
     events: dict[str, list] = {}
 
     def ticket(name: str) -> Ticket:
@@ -300,12 +301,59 @@ def test_the_codec_decodes_the_shortest_ready_pieces_first(solo):
     assert not worker._decode_next()
 
 
+def test_pieces_of_streams_with_audio_to_spare_wait_for_company(solo, monkeypatch):
+    """A stream's first pieces go at once; once it has more than `spare_s` of audio unplayed,
+    its next pieces wait, up to `hold_s`, for a batch of their length to fill; a stream that
+    has finished, or whose audio is wanted whole, never waits."""
+    from fish_sm.engine import batching
+
+    clock = [100.0]
+    monkeypatch.setattr(batching.time, "perf_counter", lambda: clock[0])
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64)  # not started: driven by hand
+    worker.codec.max_batch_frames = 128  # two pieces of 64 fill a batch
+    events: dict[str, list] = {}
+
+    def ticket(name: str, stream: bool = True) -> Ticket:
+        return Ticket(Job(TEXTS[0], stream=stream), sink=lambda event: events.setdefault(name, []).append(event[0]))
+
+    rng = np.random.default_rng(2)
+    frames = lambda t, n: [("frame", t, rng.integers(0, 1024, solo.config.num_codebooks)) for _ in range(n)]
+    a, b, whole = ticket("a"), ticket("b"), ticket("whole", stream=False)
+    worker._take_all([frames(a, 4 + 8 + 16)])
+    assert worker._decode_next() and worker._decode_next()  # 4, then 8: 0.56 s given, none played yet
+    assert not worker._decode_next()  # the piece of 16: 0.56 s to spare, alone in its batch, waits
+    assert worker._next_due() == pytest.approx(worker.hold_s)
+    clock[0] += worker.hold_s
+    assert worker._decode_next() and len(events["a"]) == 3  # due: it waited hold_s
+    worker._take_all([frames(a, 32), frames(b, 4 + 8 + 16 + 32)])
+    while worker._decode_next():  # b's first two pieces at once, a's piece of 32 and b's 16 held
+        pass
+    assert len(events["b"]) == 2 and len(events["a"]) == 3
+    clock[0] += worker.hold_s
+    while worker._decode_next():
+        pass
+    assert len(events["b"]) == 4 and len(events["a"]) == 4
+    worker._take_all([frames(a, 64), frames(b, 64)])  # two pieces of 64: a full batch goes at once
+    assert worker._decode_next() and len(events["a"]) == 5 and len(events["b"]) == 5
+    worker._take_all([frames(a, 64)])
+    assert not worker._decode_next()  # alone again, with seconds to spare
+    worker._take_all([[("finish", a, [])]])  # a's last frames are in: nothing of it waits now
+    assert worker._decode_next() and len(events["a"]) == 6
+    worker._take_all([frames(whole, 4 + 8 + 16)])  # audio wanted whole: its pieces never wait
+    assert worker._decode_next() and worker._decode_next() and worker._decode_next()
+    entry = worker._streams[id(b)]
+    clock[0] = entry.playing_since + entry.given_s - worker.spare_s / 2  # b's listener nearly caught up
+    worker._take_all([frames(b, 64)])
+    assert worker._decode_next() and len(events["b"]) == 6
+
+
 def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled_length(solo):
     """A last piece shorter than scheduled is padded to its scheduled length, so it is batched
     and ordered as one of that length: a burst of streams ending together goes a batch at a
     time, and a first piece ready meanwhile goes between two batches, not after them all."""
     worker = CodecWorker(solo, first_piece=4, largest_piece=8)  # not started: driven by hand
     worker.codec.max_batch_frames = 16  # pieces of 8 frames go two at a time
+    worker.hold_s = 0
     events: dict[str, list] = {}
 
     def ticket(name: str) -> Ticket:
