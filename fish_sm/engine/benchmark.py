@@ -547,7 +547,8 @@ def targets_table(report: dict) -> str:
     rows = []
 
     def row(figure, target, value, met):
-        rows.append(f"| {figure} | {target} | {value} | {'met' if met else '**not met**'} |")
+        status = "" if met is None else "met" if met else "**not met**"
+        rows.append(f"| {figure} | {target} | {value} | {status} |")
 
     if bf16:
         row("decode, bf16", ">= 600 frames/s", f"{bf16['decode_frames_per_s']:.1f} frames/s", bf16["decode_frames_per_s"] >= 600)
@@ -576,17 +577,21 @@ def targets_table(report: dict) -> str:
         named = ([(f"32 streams, closed loop of {loop['rounds']} rounds", loop)] if loop else []) + (
             [("32 streams, one burst", at32)] if at32 else [])
         for name, level in named:
-            if "steady_decode_frames_per_s" in level:
-                steady = level["steady_decode_frames_per_s"]
+            # A closed loop is judged while all 32 clients are in it; over the whole loop, shown
+            # unjudged, its end has fewer than 32 streams (clients whose requests stopped early are done).
+            steady = level.get("steady_decode_frames_per_s")
+            judged = steady is None
+            target = ">= 6,000 frames/s" if judged else ""
+            if steady is not None:
                 row(f"{label}: {name}, decode while all 32 clients are in the loop "
                     f"({level['steady_window_s']:.2f} of {level['decode_span_s']:.2f} s)", ">= 6,000 frames/s",
                     f"{steady:,.0f} frames/s", steady >= 6000)
             if "aggregate_decode_frames_per_s" in level:
                 decode = level["aggregate_decode_frames_per_s"]
-                row(f"{label}: {name}, decode (first frame to last)", ">= 6,000 frames/s", f"{decode:,.0f} frames/s",
-                    decode >= 6000)
-            row(f"{label}: {name}, text to last audio", ">= 6,000 frames/s",
-                f"{level['aggregate_frames_per_s']:,.0f} frames/s", level["aggregate_frames_per_s"] >= 6000)
+                row(f"{label}: {name}, decode (first frame to last)", target, f"{decode:,.0f} frames/s",
+                    decode >= 6000 if judged else None)
+            total = level["aggregate_frames_per_s"]
+            row(f"{label}: {name}, text to last audio", target, f"{total:,.0f} frames/s", total >= 6000 if judged else None)
         if at32:
             row(f"{label}: each of 32 streams", ">= 5x real time", f"{at32['per_request_realtime_x_min']:.2f}x (slowest)",
                 at32["per_request_realtime_x_min"] >= 5)

@@ -250,15 +250,16 @@ def test_the_targets_table_judges_each_figure_against_its_target():
                                     "warm_starts": [{"total_s": t} for t in (17.3, 14.3, 14.8)],
                                     "warm_start": {"total_s": 14.8}}}}
     rows = {line.split(" | ")[0].lstrip("| "): line for line in targets_table(report).splitlines()[2:]}
-    verdict = {name: "not met" not in line for name, line in rows.items()}
+    verdict = {name: None if line.endswith("|  |") else "not met" not in line for name, line in rows.items()}
     assert verdict == {
         "decode, bf16": False, "prefill, 1,000-token prompt": True, "codec decode, 10 s": True,
         "time to first audio": True, "decode, INT8 against bf16": False, "INT8 weight memory": True,
         "first compile (model_fn, none)": True, "warm start (model_fn, none)": True,
         "batching, bf16: 32 streams, closed loop of 3 rounds, decode while all 32 clients are in the loop "
         "(2.50 of 3.20 s)": True,
-        "batching, bf16: 32 streams, closed loop of 3 rounds, decode (first frame to last)": False,
-        "batching, bf16: 32 streams, closed loop of 3 rounds, text to last audio": True,
+        # a closed loop's whole span is shown, not judged: its end has fewer than 32 streams
+        "batching, bf16: 32 streams, closed loop of 3 rounds, decode (first frame to last)": None,
+        "batching, bf16: 32 streams, closed loop of 3 rounds, text to last audio": None,
         "batching, bf16: 32 streams, one burst, decode (first frame to last)": True,
         "batching, bf16: 32 streams, one burst, text to last audio": False,
         "batching, bf16: each of 32 streams": True,
