@@ -39,18 +39,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fish_sm.engine import sampling_kernels
 from fish_sm.engine.codec_stream import CodecStream, StreamingCodec
 from fish_sm.engine.engine import (DEFAULT_CHUNK_LENGTH, Engine, Reference, Synthesis, check_text,
                                    request_generator)
 from fish_sm.engine.generate import (GraphedStep, HostCopy, admission_shape, admission_shapes, attention_bucket,
                                      batch_sizes, decode_frame, frame_budget, noise_size, sample_frame, to_device)
-from fish_sm.engine import sampling_kernels
 from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
-from fish_sm.engine.sampling_kernels import exponential_noise, noise_key
 from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+from fish_sm.engine.sampling_kernels import exponential_noise, noise_key
 from fish_sm.engine.text import split_text
-from fish_sm.model.dual_ar import copy_cache_rows
 from fish_sm.errors import FishSMError, InputError
+from fish_sm.model.dual_ar import copy_cache_rows
 
 logger = logging.getLogger("fish_sm.batching")
 
@@ -498,7 +498,7 @@ class BatchEngine:
         self.history.index_fill_(0, rows, 0)
         temperature, top_p, penalty = self.sampling[:, rows]
         if self.keyed_noise:
-            keys = to_device(torch.tensor([self._noise_key(r) for r in requests]), dev)
+            keys = to_device(torch.tensor([self._next_noise_key(r) for r in requests]), dev)
             noise = exponential_noise(keys, torch.empty(len(requests), self.noise.shape[1], device=dev))
         else:
             noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
@@ -524,7 +524,7 @@ class BatchEngine:
             pos[r.slot] = r.length + r.computed - 1  # where the last frame goes
             index[r.slot] = r.computed - 1  # which frame of the chunk it is
             if self.keyed_noise:
-                keys[r.slot] = self._noise_key(r)
+                keys[r.slot] = self._next_noise_key(r)
             else:
                 self.noise[r.slot].exponential_(1, generator=r.generator)
         live = max(pos) + 1
@@ -548,7 +548,8 @@ class BatchEngine:
         return [(r, r.chunk, r.computed - 1, r.slot, copy) for r in rows]
 
     @staticmethod
-    def _noise_key(request: _Request) -> int:
+    def _next_noise_key(request: _Request) -> int:
+        """The key of the request's next frame of noise (counting it drawn)."""
         request.draws += 1
         return noise_key(request.generator.initial_seed(), request.draws - 1)
 

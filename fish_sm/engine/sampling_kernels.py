@@ -36,6 +36,8 @@ except ImportError:  # CPU builds of torch come without Triton
 # Logits a `_nucleus` program decides for, and its warps: each program also reads all of them.
 RESIDUAL_LAUNCH = (16, 4)
 HEAD_LAUNCH = (4, 8)
+# Draws an `_exponential` program writes.
+NOISE_BLOCK = 2048
 
 
 def usable(device: torch.device) -> bool:
@@ -66,9 +68,6 @@ def exponential_noise(keys: Tensor, out: Tensor) -> Tensor:
     rows, n = out.shape
     _exponential[(rows, triton.cdiv(n, NOISE_BLOCK))](keys, out, n, out.stride(0), BLOCK=NOISE_BLOCK)
     return out
-
-
-NOISE_BLOCK = 2048
 
 
 def _tempered(logits: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor, previous: Tensor | None,

@@ -145,7 +145,7 @@ class Attention(nn.Module):
                     gqa = False
             with backends:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif seqlen == live:  # a prefill from position 0 (flash attention on CUDA): plain causal attention
+        elif seqlen == live:  # a prefill from position 0: plain causal attention (cuDNN's flash kernel on an H100)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif seqlen == 1:  # one new token sees every live key
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
