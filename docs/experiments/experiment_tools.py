@@ -129,19 +129,25 @@ def compiled_batcher(checkpoint: str, most_streams: int) -> tuple:
 # What a level's short line shows (the JSON files keep everything).
 LEVEL_SUMMARY = ("aggregate_frames_per_s", "per_request_decode_frames_per_s_median", "per_request_realtime_x_min",
                  "first_audio_ms_p50", "first_audio_ms_p95", "wall_s")
+# ... and with closed loops among the levels (see `_levels`' `loops`).
+LOOP_SUMMARY = ("rounds", "aggregate_frames_per_s", "aggregate_decode_frames_per_s", "steady_decode_frames_per_s",
+                "per_request_decode_frames_per_s_median", "stopped_early", "first_audio_ms_p95")
 
 
-def _levels(batcher, streams: list[int], frames: int, tag: dict, summary: tuple | None = None) -> list[dict]:
+def _levels(batcher, streams: list[int], frames: int, tag: dict, summary: tuple | None = None,
+            loops: tuple = (1,)) -> list[dict]:
     """`batcher` started and warmed up, then `batching_level` at each number of streamed
-    requests; one JSON line per level (all of it, or `tag`, the streams and `summary`)."""
+    requests, as a burst and as closed loops of each of `loops` requests a client (1: a burst
+    only); one JSON line per level (all of it, or `tag`, the streams and `summary`)."""
     levels = []
     with batcher:
         batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()
         for n in streams:
-            level = {**tag, **batching_level(batcher, n, frames, True)}
-            shown = level if summary is None else {k: level[k] for k in (*tag, "streams", *summary) if k in level}
-            print(json.dumps(shown), flush=True)
-            levels.append(level)
+            for rounds in loops:
+                level = {**tag, **batching_level(batcher, n, frames, True, rounds=rounds)}
+                shown = level if summary is None else {k: level[k] for k in (*tag, "streams", *summary) if k in level}
+                print(json.dumps(shown), flush=True)
+                levels.append(level)
     return levels
 
 
@@ -152,35 +158,14 @@ def levels_in_turns(batchers: dict, streams: list[int], rounds: int, label: str,
 
 
 def settings_in_turns(batcher, settings: dict, streams: list[int], rounds: int, label: str,
-                      frames: int = 200) -> list[dict]:
+                      frames: int = 200, loops: tuple = (1,), summary: tuple = LEVEL_SUMMARY) -> list[dict]:
     """One BatchEngine under each named setting in turn (`settings[name]()` applies it),
     `rounds` times: `_levels`, one short line per level."""
     levels = []
     for round_ in range(rounds):
         for name, apply in settings.items():
             apply()
-            levels += _levels(batcher, streams, frames, {label: name, "round": round_}, LEVEL_SUMMARY)
-    return levels
-
-
-def bursts_and_loops_in_turns(batcher, settings: dict, rounds: int, streams: int = 32, loops: tuple = (1, 6),
-                              frames: int = 200) -> list[dict]:
-    """One BatchEngine under each named setting in turn (`settings[name]()` applies it),
-    `rounds` times: at each, `batching_level` of `streams` streamed requests as a burst and as
-    closed loops (`loops`: requests a client); one short line per level."""
-    levels = []
-    with batcher:
-        batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()
-        for round_ in range(rounds):
-            for name, apply in settings.items():
-                apply()
-                for loop in loops:
-                    level = {"setting": name, "round": round_, **batching_level(batcher, streams, frames, True, rounds=loop)}
-                    levels.append(level)
-                    print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in level.items() if k in (
-                        "setting", "round", "rounds", "aggregate_frames_per_s", "aggregate_decode_frames_per_s",
-                        "steady_decode_frames_per_s", "per_request_decode_frames_per_s_median", "stopped_early",
-                        "first_audio_ms_p95")}), flush=True)
+            levels += _levels(batcher, streams, frames, {label: name, "round": round_}, summary, loops)
     return levels
 
 

@@ -2,14 +2,15 @@
 noise from a generator per request (one `exponential_` each) against one kernel keyed by
 each request's seed and frame (`sampling_kernels.exponential_noise`); and a request's move
 to a freed slot as a copy a layer from Python against one `copy_cache_rows` call. 32
-streams at once and a closed loop of 32 clients x 6 requests, the settings in turns.
-Not part of the package.
+streams at once and a closed loop of 32 clients x 6 requests, the settings in turns (the
+engine started afresh for each, as `settings_in_turns` runs it; as measured, one start for
+all). Not part of the package.
 
     cd docs/experiments && python3 loop_host_ab.py CHECKPOINT_DIR [ROUNDS]    # writes $OUT/loop_host_ab.json
 """
 import json, os, sys
 
-from experiment_tools import bursts_and_loops_in_turns, compiled_batcher
+from experiment_tools import LOOP_SUMMARY, compiled_batcher, settings_in_turns
 
 from fish_sm.engine import batching as B
 
@@ -32,5 +33,5 @@ def setting(keyed: bool, move):
 
 settings = {"generators, a copy a layer": setting(False, copy_each_layer),
             "keyed noise, one copy call": setting(True, shipped)}
-out["levels"] = bursts_and_loops_in_turns(batcher, settings, rounds)
+out["levels"] = settings_in_turns(batcher, settings, [32], rounds, "setting", loops=(1, 6), summary=LOOP_SUMMARY)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "loop_host_ab.json"), "w"), indent=1)

@@ -12,12 +12,12 @@ of the package.
 import collections, json, os, sys, threading, time
 
 import torch
-from experiment_tools import compiled_batcher, time_replays
+from experiment_tools import compiled_batcher, time_replays, timed_calls
 
 from fish_sm.engine import batching as B
 from fish_sm.engine.batching import Job
-from fish_sm.engine.generate import HostCopy
 from fish_sm.engine.benchmark import BATCH_TEXTS, batching_level
+from fish_sm.engine.generate import HostCopy
 from fish_sm.engine.sampling import SamplingParams
 
 host = collections.Counter()
@@ -25,52 +25,32 @@ calls = collections.Counter()
 replays, codec = [], []
 
 
-def timed(cls, name):
-    original = getattr(cls, name)
+def count(owner, name: str, label: str | None = None) -> None:
+    """`owner.name`'s calls on the decode loop's thread, their host time into host[label]."""
+    label = label or name
 
-    def run(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return original(self, *a, **k)
-        finally:
-            host[name] += time.perf_counter() - t
-            calls[name] += 1
-    setattr(cls, name, run)
+    def done(t0, t1):
+        if threading.current_thread().name == "fish-sm-batching":
+            host[label] += t1 - t0
+            calls[label] += 1
+    setattr(owner, name, timed_calls(getattr(owner, name), done))
 
 
-for name in ("_admit", "_start_chunks", "_prefill_batch", "_decode_step", "_check", "_retire", "_move",
-             "_finish_chunk"):
-    timed(B.BatchEngine, name)
 def replayed(rows, start, end, t0, t1):
     replays.append((rows, start, end))
     host["step replay call"] += t1 - t0
     calls["step replay call"] += 1
 
 
+for name in ("_admit", "_start_chunks", "_prefill_batch", "_decode_step", "_check", "_retire", "_move",
+             "_finish_chunk"):
+    count(B.BatchEngine, name)
 time_replays(replayed)
-
-
-def timed_function(owner, name, label):
-    original = getattr(owner, name)
-
-    def run(*a, **k):
-        if threading.current_thread().name != "fish-sm-batching":
-            return original(*a, **k)
-        t = time.perf_counter()
-        try:
-            return original(*a, **k)
-        finally:
-            host[label] += time.perf_counter() - t
-            calls[label] += 1
-    setattr(owner, name, run)
-
-
-# Parts of the loop thread's own work (other threads' calls are not counted).
-timed_function(torch.Tensor, "exponential_", "noise draws")
-timed_function(HostCopy, "get", "HostCopy.get (waits for the step before)")
-timed_function(HostCopy, "__init__", "HostCopy (pinned copy queued)")
-timed_function(B, "to_device", "to_device")
-timed_function(B.CodecWorker, "frames", "hand over to the codec")
+count(torch.Tensor, "exponential_", "noise draws")
+count(HostCopy, "get", "HostCopy.get (waits for the step before)")
+count(HostCopy, "__init__", "HostCopy (pinned copy queued)")
+count(B, "to_device", "to_device")
+count(B.CodecWorker, "frames", "hand over to the codec")
 
 decode_group = B.CodecWorker._decode_group
 

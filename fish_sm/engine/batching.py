@@ -50,7 +50,7 @@ from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
 from fish_sm.engine.sampling_kernels import exponential_noise, noise_key
 from fish_sm.engine.text import split_text
 from fish_sm.errors import FishSMError, InputError
-from fish_sm.model.dual_ar import copy_cache_rows
+from fish_sm.model.dual_ar import cache_rows, copy_cache_rows
 
 logger = logging.getLogger("fish_sm.batching")
 
@@ -128,7 +128,8 @@ class PrefixCache:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._entries: collections.OrderedDict[tuple, list[tuple[Tensor, Tensor]]] = collections.OrderedDict()
+        # key -> `cache_rows` of the prefix: k, v of each layer in turn, cloned
+        self._entries: collections.OrderedDict[tuple, list[Tensor]] = collections.OrderedDict()
 
     def get(self, key: tuple):
         entry = self._entries.get(key)
@@ -136,7 +137,7 @@ class PrefixCache:
             self._entries.move_to_end(key)
         return entry
 
-    def put(self, key: tuple, kv: list[tuple[Tensor, Tensor]]) -> None:
+    def put(self, key: tuple, kv: list[Tensor]) -> None:
         if self.capacity < 1:
             return
         self._entries[key] = kv
@@ -435,20 +436,18 @@ class BatchEngine:
         if not references:
             return 0
         model, slot = self.model, request.slot
+        caches = [block.attention.kv_cache for block in model.layers]
         key = tuple((text, hashlib.sha256(codes.numpy().tobytes()).hexdigest()) for text, codes in references)
         kv = self.prefixes.get(key)
         if kv is None:
             prefix = prompt_prefix(self.engine.tokenizer, self.engine.config.num_codebooks, references)
             n = prefix.shape[1]
             model.forward_slow(to_device(prefix, self.device)[None], model.positions[:n], n, row=slot)
-            kv = [(b.attention.kv_cache.k[slot, :, :n].clone(), b.attention.kv_cache.v[slot, :, :n].clone())
-                  for b in model.layers]
+            kv = [t.clone() for t in cache_rows(caches, slot, n)]
             self.prefixes.put(key, kv)
         else:
-            for block, (k, v) in zip(model.layers, kv):
-                block.attention.kv_cache.k[slot, :, : k.shape[1]] = k
-                block.attention.kv_cache.v[slot, :, : v.shape[1]] = v
-        return kv[0][0].shape[1]
+            torch._foreach_copy_(cache_rows(caches, slot, kv[0].shape[1]), kv)
+        return kv[0].shape[1]
 
     def _admission_shape(self, batch: int, width: int) -> tuple[int, int]:
         """The (batch, width) prompts from position 0 are padded to: a captured admission's on CUDA."""
