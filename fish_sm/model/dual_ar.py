@@ -38,7 +38,7 @@ def attached_product(owner: nn.Module, name: str, x: Tensor, norm: RMSNorm | Non
     prologue = row_products.NORM if norm is not None else row_products.SWIGLU if swiglu else row_products.PLAIN
     return row_products.row_product(x, getattr(owner, f"rows_{name}"), getattr(owner, f"rows_{name}_scale"),
                                     None if norm is None else norm.weight, res, prologue,
-                                    0.0 if norm is None else norm.eps)
+                                    0.0 if norm is None else norm.eps, getattr(owner, "rows_ahead", {}).get(name))
 
 
 class KVCache(nn.Module):
@@ -428,6 +428,7 @@ class DualARTransformer(nn.Module):
         if rows:
             row_products.attach(self, "head", self.head)
             row_products.attach(self, "fast_head", self.fast_output)
+            self._chain_row_weights(row_products.PREFETCH_AHEAD["int8" if self.quantized else "bf16"])
             self._step_inputs = compile_decode(DualARTransformer.step_inputs, True)
         self.row_steps = rows
         if dynamic_batch:
@@ -435,6 +436,24 @@ class DualARTransformer(nn.Module):
                        torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=True))
             for block in self.layers:
                 block.prefill_compiled = prefill
+
+    def _chain_row_weights(self, ahead: int) -> None:
+        """Tell each one-row product the weights of the product `ahead` after it in a frame (the
+        slow layers, the head, then the fast layers and their head, in a loop), for its kernel
+        to start streaming into L2."""
+        for owner in (*self.layers, *self.fast_layers, self):
+            owner.rows_ahead = {}
+        if ahead <= 0:
+            return
+        names = list(TransformerBlock.PRODUCTS)
+        slow = [(b, n) for b in self.layers for n in names] + [(self, "head")]
+        fast = [(b, n) for b in self.fast_layers for n in names] + [(self, "fast_head")]
+        for i, (owner, name) in enumerate(slow):
+            after = slow[i + ahead] if i + ahead < len(slow) else fast[i + ahead - len(slow)]
+            owner.rows_ahead[name] = getattr(after[0], f"rows_{after[1]}")
+        for i, (owner, name) in enumerate(fast):
+            after = fast[(i + ahead) % len(fast)]
+            owner.rows_ahead[name] = getattr(after[0], f"rows_{after[1]}")
 
     def head_rows(self) -> Tensor:
         """Vocabulary ids of the slow head's rows: semantic tokens, then <|im_end|>."""

@@ -9,7 +9,8 @@ costs are as large as its memory time. Inductor makes a statistics kernel for ev
 (136 a frame), and its INT8 reductions read int8 weights no faster than bf16 ones
 (docs/benchmarks.md, eighth and ninth passes). Here every kernel reads its first block of
 weights before waiting on the kernel before it (programmatic dependent launch, Hopper and
-later), since weights never depend on it.
+later), since weights never depend on it. With INT8 weights, each kernel also starts
+streaming the next product's weights into L2 (`PREFETCH_AHEAD`).
 
 CUDA with Triton only; elsewhere (and as the tests' reference) `row_product` runs the same
 arithmetic in torch, rounding where the kernel rounds, which is where the model rounds.
@@ -32,6 +33,12 @@ except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
 PLAIN, NORM, SWIGLU = 0, 1, 2  # what a product does to its input first
+# How many products ahead a product's kernel starts streaming weights into L2 (0: none), by
+# weight type. On an H100, INT8 one product ahead: +2.3% and +3.8% frames/s, where two ahead
+# or only one transformer's products gained less. bf16, whose products read twice the bytes:
+# -6%, and -1% to -3% for one transformer only, its prefetches competing with the reads the
+# kernel in flight waits on (docs/benchmarks.md, nineteenth pass).
+PREFETCH_AHEAD = {"bf16": 0, "int8": 1}
 
 
 def usable(x: Tensor) -> bool:
@@ -42,7 +49,8 @@ def usable(x: Tensor) -> bool:
 
 # Launch configs (rows per program, inputs per block, warps) for S1-mini's products, by
 # (N, K, int8): the fastest of a sweep of 24-48 on an H100, weights read from memory as a
-# frame reads them (docs/experiments/row_products_ab.py sweep; tenth pass). Other shapes
+# frame reads them (docs/experiments/row_products_ab.py sweep; tenth pass). The nineteenth
+# pass's int8 winners alone (up to 10% faster each) made whole frames 2-4% slower. Other shapes
 # take the default, which was within ~25% of the best at every one of these.
 LAUNCH_CONFIGS = {
     (4096, 1024, False): (16, 1024, 4), (1024, 2048, False): (2, 1024, 4), (6144, 1024, False): (4, 512, 4),
@@ -89,17 +97,18 @@ def readable(linear: torch.nn.Linear) -> bool:
 
 @torch.library.custom_op("fish_sm::row_product", mutates_args=())
 def row_product(x: Tensor, w: Tensor, scale: Optional[Tensor], norm: Optional[Tensor], res: Optional[Tensor],
-                prologue: int, eps: float) -> Tensor:
+                prologue: int, eps: float, ahead: Optional[Tensor] = None) -> Tensor:
     """x [..., K] (one row; [..., 2K] for SwiGLU: gate then up) times w [N, K]ᵀ, times `scale`
     [N] if int8: [..., N]. `prologue` NORM: RMSNorm(x) * `norm` first; SWIGLU: silu(gate) * up
-    first. Plus `res` [..., N] if given."""
+    first. Plus `res` [..., N] if given. `ahead`: weights the kernel streams into L2 for a
+    later product (a hint: on Hopper and later, where they can be taken in even shares)."""
     if usable(x):
-        return _launch(x, w, scale, norm, res, prologue, eps)
+        return _launch(x, w, scale, norm, res, prologue, eps, ahead)
     return reference(x, w, scale, norm, res, prologue, eps)
 
 
 @row_product.register_fake
-def _(x, w, scale, norm, res, prologue, eps):
+def _(x, w, scale, norm, res, prologue, eps, ahead=None):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
@@ -120,18 +129,29 @@ def reference(x: Tensor, w: Tensor, scale: Optional[Tensor], norm: Optional[Tens
     return y if res is None else res + y
 
 
-def _launch(x, w, scale, norm, res, prologue, eps):
+def _launch(x, w, scale, norm, res, prologue, eps, ahead=None):
     n, k = w.shape
     flat = x.reshape(-1)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = launch_config(n, k, scale is not None)
+    programs = triton.cdiv(n, block_n)
     pdl, options = dependent_launch(x.device)
-    _product[(triton.cdiv(n, block_n),)](
+    bulk = ahead is not None and _bulk_prefetchable(ahead, programs)
+    _product[(programs,)](
         flat, norm if norm is not None else flat, w, scale if scale is not None else flat,
         res.reshape(-1) if res is not None else flat, out, n, eps,
+        ahead if bulk else flat, ahead.numel() * ahead.element_size() if bulk else 0, PREFETCH=bulk,
         K=k, PROLOGUE=prologue, SCALED=scale is not None, RESIDUAL=res is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
     return out.view(*x.shape[:-1], n)
+
+
+def _bulk_prefetchable(t: Tensor, programs: int) -> bool:
+    """Hopper's bulk prefetch can take `t` in `programs` shares: 16-byte aligned, a multiple
+    of 16 bytes, at least 16 a share."""
+    size = t.numel() * t.element_size()
+    return (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9 and t.data_ptr() % 16 == 0
+            and size % 16 == 0 and size >= 16 * programs)
 
 
 if triton is not None:
@@ -151,10 +171,28 @@ if triton is not None:
         return a.to(tl.float32)
 
     @triton.jit
-    def _product(x_ptr, norm_ptr, w_ptr, scale_ptr, res_ptr, out_ptr, N, eps,
-                 K: tl.constexpr, PROLOGUE: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """BLOCK_N output rows: out[n] = sum_k a[k] w[n, k] (* scale[n]) (+ res[n])."""
+    def _prefetch_share(base, nbytes):
+        """This program's share of the `nbytes` at `base` (16-byte aligned) into L2: one bulk
+        prefetch (Hopper's copy engine) from one thread."""
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        share = nbytes // programs // 16 * 16
+        start = pid * share
+        size = tl.where(pid == programs - 1, nbytes - start, share)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [base.to(tl.pointer_type(tl.int8)).to(tl.int64) + start, size.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _product(x_ptr, norm_ptr, w_ptr, scale_ptr, res_ptr, out_ptr, N, eps, ahead_ptr, ahead_bytes,
+                 PREFETCH: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, SCALED: tl.constexpr,
+                 RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """BLOCK_N output rows: out[n] = sum_k a[k] w[n, k] (* scale[n]) (+ res[n]). With
+        PREFETCH, first a share of the `ahead_bytes` at `ahead_ptr` (the next product's weights)
+        into L2."""
+        if PREFETCH:
+            _prefetch_share(ahead_ptr, ahead_bytes)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows_live = rows < N
         first = tl.arange(0, BLOCK_K)

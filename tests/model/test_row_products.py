@@ -97,6 +97,46 @@ def test_kernel_matches_its_torch_arithmetic(n, k, prologue, residual, int8):
 
 
 @needs_gpu
+@pytest.mark.parametrize("int8", [False, True])
+def test_prefetching_the_next_weights_changes_nothing(int8):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1, 3072, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(1024, 3072, generator=g) * 0.03).to("cuda", torch.bfloat16)
+    w, scale = quantized(w) if int8 else (w, None)
+    res = torch.randn(1, 1, 1024, generator=g).to("cuda", torch.bfloat16)
+    ahead = torch.zeros(6144, 1008, device="cuda", dtype=w.dtype)
+    args = (x, w, scale, None, res, row_products.PLAIN, 0.0)
+    assert torch.equal(row_products.row_product(*args, ahead), row_products.row_product(*args))
+
+
+def test_bulk_prefetch_takes_aligned_sizes_in_whole_shares():
+    if not torch.cuda.is_available():
+        assert not row_products._bulk_prefetchable(torch.zeros(4096, dtype=torch.int8), 8)
+        return
+    big = torch.zeros(4096, dtype=torch.int8, device="cuda")
+    assert row_products._bulk_prefetchable(big, 8) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert not row_products._bulk_prefetchable(big[1:], 8)  # unaligned
+    assert not row_products._bulk_prefetchable(big[:24], 1)  # not a multiple of 16
+    assert not row_products._bulk_prefetchable(big[:64], 8)  # shares under 16 bytes
+
+
+def test_each_product_is_told_the_weights_of_the_next(tiny_checkpoint):
+    model = Engine.from_pretrained(tiny_checkpoint, device="cpu").model
+    for block in [*model.layers, *model.fast_layers]:
+        block.attach_row_weights()
+    row_products.attach(model, "head", model.head)
+    row_products.attach(model, "fast_head", model.fast_output)
+    model._chain_row_weights(1)
+    first, last = model.layers[0], model.layers[-1]
+    assert first.rows_ahead["wqkv"] is first.rows_wo and first.rows_ahead["w2"] is model.layers[1].rows_wqkv
+    assert last.rows_ahead["w2"] is model.rows_head and model.rows_ahead["head"] is model.fast_layers[0].rows_wqkv
+    assert model.fast_layers[-1].rows_ahead["w2"] is model.rows_fast_head
+    assert model.rows_ahead["fast_head"] is model.fast_layers[0].rows_wqkv  # the next fast step
+    model._chain_row_weights(0)
+    assert first.rows_ahead == {} and model.rows_ahead == {}
+
+
+@needs_gpu
 def test_kernels_replay_in_a_cuda_graph():
     x = torch.randn(1, 1, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) * 0.03
