@@ -448,12 +448,10 @@ class DualARTransformer(nn.Module):
         names = list(TransformerBlock.PRODUCTS)
         slow = [(b, n) for b in self.layers for n in names] + [(self, "head")]
         fast = [(b, n) for b in self.fast_layers for n in names] + [(self, "fast_head")]
-        for i, (owner, name) in enumerate(slow):
-            after = slow[i + ahead] if i + ahead < len(slow) else fast[i + ahead - len(slow)]
-            owner.rows_ahead[name] = getattr(after[0], f"rows_{after[1]}")
-        for i, (owner, name) in enumerate(fast):
-            after = fast[(i + ahead) % len(fast)]
-            owner.rows_ahead[name] = getattr(after[0], f"rows_{after[1]}")
+        for i, (owner, name) in enumerate(slow + fast):  # a frame: slow, then fast over and over
+            k = i + ahead
+            after, after_name = slow[k] if k < len(slow) else fast[(k - len(slow)) % len(fast)]
+            owner.rows_ahead[name] = getattr(after, f"rows_{after_name}")
 
     def head_rows(self) -> Tensor:
         """Vocabulary ids of the slow head's rows: semantic tokens, then <|im_end|>."""

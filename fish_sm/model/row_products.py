@@ -140,7 +140,7 @@ def _launch(x, w, scale, norm, res, prologue, eps, ahead=None):
     _product[(programs,)](
         flat, norm if norm is not None else flat, w, scale if scale is not None else flat,
         res.reshape(-1) if res is not None else flat, out, n, eps,
-        ahead if bulk else flat, ahead.numel() * ahead.element_size() if bulk else 0, PREFETCH=bulk,
+        ahead if bulk else flat, ahead.nbytes if bulk else 0, PREFETCH=bulk,
         K=k, PROLOGUE=prologue, SCALED=scale is not None, RESIDUAL=res is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
     return out.view(*x.shape[:-1], n)
@@ -149,9 +149,8 @@ def _launch(x, w, scale, norm, res, prologue, eps, ahead=None):
 def _bulk_prefetchable(t: Tensor, programs: int) -> bool:
     """Hopper's bulk prefetch can take `t` in `programs` shares: 16-byte aligned, a multiple
     of 16 bytes, at least 16 a share."""
-    size = t.numel() * t.element_size()
     return (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9 and t.data_ptr() % 16 == 0
-            and size % 16 == 0 and size >= 16 * programs)
+            and t.nbytes % 16 == 0 and t.nbytes >= 16 * programs)
 
 
 if triton is not None:
