@@ -169,12 +169,14 @@ def settings_in_turns(batcher, settings: dict, streams: list[int], rounds: int, 
     return levels
 
 
-def decode_in_turns(engines: dict, rounds: int, out: dict, save=lambda: None) -> None:
+def decode_in_turns(engines: dict, rounds: int, out: dict, save=lambda: None, before=lambda name: None) -> None:
     """Each named engine's `measure` (decode of a 1,098-token prompt, 2 x 400 frames) in turn,
     `rounds` times, so that drift between them shows: into out["rounds"], then each one's
-    median into out["decode_frames_per_s_median"]; `save` after every measurement."""
+    median into out["decode_frames_per_s_median"]; `save` after every measurement, `before(name)`
+    before it."""
     for round_ in range(rounds):
         for name, engine in engines.items():
+            before(name)
             m = measure(engine, 400, 2, 1000)
             out["rounds"].append({"variant": name, "round": round_, **m})
             print(name, round_, round(m["decode_frames_per_s"], 1), flush=True)

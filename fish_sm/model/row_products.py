@@ -8,9 +8,10 @@ Why not inductor's: a frame runs 68 layers of these at one row, where a kernel's
 costs are as large as its memory time. Inductor makes a statistics kernel for every norm
 (136 a frame), and its INT8 reductions read int8 weights no faster than bf16 ones
 (docs/benchmarks.md, eighth and ninth passes). Here every kernel reads its first block of
-weights before waiting on the kernel before it (programmatic dependent launch, Hopper and
-later), since weights never depend on it. With INT8 weights, each kernel also starts
-streaming the next product's weights into L2 (`PREFETCH_AHEAD`).
+weights, and the other constants it needs (the int8 scales, the norm's weights:
+`EARLY_CONSTANTS`), before waiting on the kernel before it (programmatic dependent launch,
+Hopper and later), since nothing before it writes them. With INT8 weights, each kernel also
+starts streaming the next product's weights into L2 (`PREFETCH_AHEAD`).
 
 CUDA with Triton only; elsewhere (and as the tests' reference) `row_product` runs the same
 arithmetic in torch, rounding where the kernel rounds, which is where the model rounds.
@@ -39,6 +40,10 @@ PLAIN, NORM, SWIGLU = 0, 1, 2  # what a product does to its input first
 # -6%, and -1% to -3% for one transformer only, its prefetches competing with the reads the
 # kernel in flight waits on (docs/benchmarks.md, nineteenth pass).
 PREFETCH_AHEAD = {"bf16": 0, "int8": 1}
+# Load the int8 scales and the first block's RMSNorm weights with the first weights, before
+# waiting on the kernel before, instead of after it (the scales after the sum): on an H100,
+# +5.4% frames/s with INT8 weights, +1.8% with bf16 (docs/benchmarks.md, twentieth pass).
+EARLY_CONSTANTS = True
 
 
 def usable(x: Tensor) -> bool:
@@ -142,7 +147,7 @@ def _launch(x, w, scale, norm, res, prologue, eps, ahead=None):
         res.reshape(-1) if res is not None else flat, out, n, eps,
         ahead if bulk else flat, ahead.nbytes if bulk else 0, PREFETCH=bulk,
         K=k, PROLOGUE=prologue, SCALED=scale is not None, RESIDUAL=res is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, EARLY=EARLY_CONSTANTS, num_warps=warps, **options)
     return out.view(*x.shape[:-1], n)
 
 
@@ -156,11 +161,12 @@ def _bulk_prefetchable(t: Tensor, programs: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _activation(x_ptr, norm_ptr, ks, live, inv, K: tl.constexpr, PROLOGUE: tl.constexpr):
-        """A block of the product's input, in float32, rounded as the model rounds it."""
+    def _activation(x_ptr, nw, ks, live, inv, K: tl.constexpr, PROLOGUE: tl.constexpr):
+        """A block of the product's input, in float32, rounded as the model rounds it (`nw`: the
+        block's RMSNorm weights, for PROLOGUE 1)."""
         if PROLOGUE == 1:  # RMSNorm: normalised, rounded, times the norm's weight, rounded
             a = (tl.load(x_ptr + ks, mask=live, other=0.0).to(tl.float32) * inv).to(tl.bfloat16)
-            a = (a.to(tl.float32) * tl.load(norm_ptr + ks, mask=live, other=0.0).to(tl.float32)).to(tl.bfloat16)
+            a = (a.to(tl.float32) * nw.to(tl.float32)).to(tl.bfloat16)
         elif PROLOGUE == 2:  # SwiGLU: silu(gate) rounded, times up, rounded
             g = tl.load(x_ptr + ks, mask=live, other=0.0).to(tl.float32)
             a = (g / (1.0 + tl.exp(-g))).to(tl.bfloat16)
@@ -186,7 +192,8 @@ if triton is not None:
     @triton.jit
     def _product(x_ptr, norm_ptr, w_ptr, scale_ptr, res_ptr, out_ptr, N, eps, ahead_ptr, ahead_bytes,
                  PREFETCH: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, SCALED: tl.constexpr,
-                 RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 EARLY: tl.constexpr):
         """BLOCK_N output rows: out[n] = sum_k a[k] w[n, k] (* scale[n]) (+ res[n]). With
         PREFETCH, first a share of the `ahead_bytes` at `ahead_ptr` (the next product's weights)
         into L2."""
@@ -198,9 +205,18 @@ if triton is not None:
         # Weights first: nothing before this kernel writes them, so they load while it drains.
         w = tl.load(w_ptr + rows[:, None] * K + first[None, :], mask=rows_live[:, None] & (first < K)[None, :],
                     other=0)
+        scale, nw = 1.0, 0.0  # the rows' int8 scales; the first block's RMSNorm weights
+        if EARLY:  # the other constants too
+            if SCALED:
+                scale = tl.load(scale_ptr + rows, mask=rows_live, other=0.0)
+            if PROLOGUE == 1:
+                nw = tl.load(norm_ptr + first, mask=first < K, other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()  # the kernel before has finished and its writes are visible
             tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            if PROLOGUE == 1:
+                nw = tl.load(norm_ptr + first, mask=first < K, other=0.0)
         inv = 0.0
         if PROLOGUE == 1:
             sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -215,11 +231,15 @@ if triton is not None:
             live = ks < K
             if k0 > 0:
                 w = tl.load(w_ptr + rows[:, None] * K + ks[None, :], mask=rows_live[:, None] & live[None, :], other=0)
-            a = _activation(x_ptr, norm_ptr, ks, live, inv, K, PROLOGUE)
+                if PROLOGUE == 1:
+                    nw = tl.load(norm_ptr + ks, mask=live, other=0.0)
+            a = _activation(x_ptr, nw, ks, live, inv, K, PROLOGUE)
             acc += w.to(tl.float32) * a[None, :]
         y = tl.sum(acc, 1)
         if SCALED:
-            y = y * tl.load(scale_ptr + rows, mask=rows_live, other=0.0)
+            if not EARLY:
+                scale = tl.load(scale_ptr + rows, mask=rows_live, other=0.0)
+            y = y * scale
         y = y.to(tl.bfloat16)
         if RESIDUAL:
             y = (y.to(tl.float32) + tl.load(res_ptr + rows, mask=rows_live, other=0.0).to(tl.float32)).to(tl.bfloat16)

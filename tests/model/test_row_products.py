@@ -109,6 +109,20 @@ def test_prefetching_the_next_weights_changes_nothing(int8):
     assert torch.equal(row_products.row_product(*args, ahead), row_products.row_product(*args))
 
 
+@needs_gpu
+@pytest.mark.parametrize("int8", [False, True])
+def test_loading_the_constants_before_the_wait_changes_nothing(int8, monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 1, 1024, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(6144, 1024, generator=g) * 0.03).to("cuda", torch.bfloat16)  # w13: two blocks of inputs
+    w, scale = quantized(w) if int8 else (w, None)
+    norm = (1 + 0.1 * torch.randn(1024, generator=g)).to("cuda", torch.bfloat16)
+    args = (x, w, scale, norm, None, row_products.NORM, 1e-6)
+    early = row_products.row_product(*args)
+    monkeypatch.setattr(row_products, "EARLY_CONSTANTS", False)
+    assert torch.equal(early, row_products.row_product(*args))
+
+
 def test_bulk_prefetch_takes_aligned_sizes_in_whole_shares():
     if not torch.cuda.is_available():
         assert not row_products._bulk_prefetchable(torch.zeros(4096, dtype=torch.int8), 8)
