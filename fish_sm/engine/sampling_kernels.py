@@ -36,6 +36,9 @@ except ImportError:  # CPU builds of torch come without Triton
 # Logits a `_nucleus` program decides for, and its warps: each program also reads all of them.
 RESIDUAL_LAUNCH = (16, 4)
 HEAD_LAUNCH = (4, 8)
+# The slow head's pick at one row by `_nucleus_rows`' bisection (one program) instead of
+# `_nucleus`' pairwise rule (4,097 squared comparisons over many programs) and `_draw`.
+HEAD_BISECTION = True
 # Draws an `_exponential` program writes.
 NOISE_BLOCK = 2048
 
@@ -92,7 +95,7 @@ def _pick(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, pen
           next_input: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """`_nucleus` then `_draw` for one row, `_pick_rows` for several: (token (the slow head's
     only), code, the code's row of `table` (with `next_input`)), one per row."""
-    if logits.shape[0] > 1:
+    if logits.shape[0] > 1 or (head_ids is not None and HEAD_BISECTION):
         return _pick_rows(logits, noise, temperature, top_p, penalty, previous, table, head_ids, next_input)
     tempered = _tempered(logits, temperature, top_p, penalty, previous, head_ids)
     token, code = (torch.empty(1, dtype=torch.long, device=logits.device) for _ in range(2))
