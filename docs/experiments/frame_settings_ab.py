@@ -7,7 +7,8 @@ Not part of the package.
     python docs/experiments/frame_settings_ab.py CHECKPOINT_DIR "bf16:own;int8:own;int8:bf16cfg+wholek;int8:6144x1024=4/1024/4" [ROUNDS]
         VARIANT = weights:change[+change...]: own (as shipped); late (the scales and norm weights
         loaded after the wait, `row_products.EARLY_CONSTANTS` off); pairwise / bisect (the slow
-        head's one-row pick, `sampling_kernels.HEAD_BISECTION` off / on); bf16cfg (INT8 products take bf16's
+        head's one-row pick, `sampling_kernels.HEAD_BISECTION` off / on); lateslots (attention's
+        first cached slots loaded after the wait, `decode_attention.EARLY_SLOTS` off); bf16cfg (INT8 products take bf16's
         config for their shape); wholek (inputs per block ≥ K, a power of 2: every weight a program reads is
         loaded before it waits on the kernel before it); NxK=rows/block_k/warps (that shape).
         Decode speed in turns, the compiled-against-eager check ($OUT/frame_settings_ab.json)
@@ -20,7 +21,7 @@ from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager
 from fish_sm.engine.engine import Engine
 from fish_sm.engine import sampling_kernels
 from fish_sm.engine.prompt import build_prompt
-from fish_sm.model import row_products
+from fish_sm.model import decode_attention, row_products
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from experiment_tools import decode_in_turns  # noqa: E402
@@ -32,7 +33,7 @@ def configs_for(changes: str, shipped: dict) -> dict:
     """`shipped` launch configs with `changes` applied in order."""
     configs = dict(shipped)
     for change in changes.split("+"):
-        if change in ("own", "late", "pairwise", "bisect"):
+        if change in ("own", "late", "pairwise", "bisect", "lateslots"):
             continue
         if change == "bf16cfg":
             configs.update({(n, k, True): configs[(n, k, False)] for n, k, int8 in list(configs) if not int8})
@@ -58,6 +59,7 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
         row_products.LAUNCH_CONFIGS = configs_for(changes, shipped)
         row_products.EARLY_CONSTANTS = early and "late" not in changes_
         sampling_kernels.HEAD_BISECTION = "bisect" in changes_ or (bisect and "pairwise" not in changes_)
+        decode_attention.EARLY_SLOTS = "lateslots" not in changes_
         engine = Engine.from_pretrained(checkpoint, device="cuda")
         if mode == "int8":
             engine.quantize_int8()
@@ -72,6 +74,7 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
         print(variant, json.dumps(info), flush=True)
         save()
     row_products.LAUNCH_CONFIGS, row_products.EARLY_CONSTANTS, sampling_kernels.HEAD_BISECTION = shipped, early, bisect
+    decode_attention.EARLY_SLOTS = True
     decode_in_turns(engines, rounds, out, save)
     print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
     save()

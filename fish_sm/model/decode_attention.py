@@ -32,6 +32,9 @@ except ImportError:  # CPU builds of torch come without Triton
 # two programs per SM, 32 slots a block, two warps was best or within 12% of best at every shape
 # tried (one row over 1,280 and 4,096 slots, 8 and 32 rows, the fast layers' 10).
 TARGET_PROGRAMS = 256
+# `attend_new_token` loads its piece's first block of cached slots before waiting on the kernel
+# before it (the projection), as it does RoPE's row and the norms' weights.
+EARLY_SLOTS = True
 
 
 def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -69,7 +72,7 @@ def attend_new_token(qkv: Tensor, n_head: int, n_kv: int, q_norm: Tensor | None,
                                       head_dim ** -0.5, eps, *k_cache.stride()[1:3], *v_cache.stride()[1:3], n_head,
                                       n_kv, HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
                                       BLOCK_S=block_s, SPLITS=splits, QK_NORM=q_norm is not None, PDL=pdl,
-                                      num_warps=warps, **launch)
+                                      EARLY_SLOTS=EARLY_SLOTS, num_warps=warps, **launch)
     if splits > 1:
         _combine[(n_head,)](*pieces, out, HEAD_DIM=head_dim, SPLITS=splits, PDL=pdl, **launch)
     return out
@@ -137,33 +140,42 @@ if triton is not None:
         end = tl.minimum(start + chunk, length)
         k_base = k_ptr + b * k_stride_b + kv * k_stride_h
         v_base = v_ptr + b * v_stride_b + kv * v_stride_h
-        m, total, acc = _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start, end, scale, HEAD_DIM, BLOCK_G,
-                                    BLOCK_S)
+        m, total, acc = _no_slots(BLOCK_G, HEAD_DIM)
+        m, total, acc = _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start, end, scale, m, total, acc,
+                                    HEAD_DIM, BLOCK_S)
         _write_piece(out_ptr, m_ptr, l_ptr, acc_ptr, b * (GROUP * n_kv) + heads, real, piece, m, total, acc, HEAD_DIM,
                      SPLITS)
 
     @triton.jit
-    def _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start, end, scale, HEAD_DIM: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Online softmax of q's rows [BLOCK_G, HEAD_DIM] over cache slots start..end-1: their
-        running max, sum and weighted values."""
+    def _no_slots(BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """The online softmax's state before any slot: running max, sum and weighted values."""
+        return (tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32),
+                tl.zeros([BLOCK_G, HEAD_DIM], tl.float32))
+
+    @triton.jit
+    def _with_slots(q, k, v, live, m, total, acc, scale):
+        """The state after a block of slots k, v [BLOCK_S, HEAD_DIM] (at least one `live`)."""
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, total, acc
+
+    @triton.jit
+    def _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start, end, scale, m, total, acc,
+                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Online softmax of q's rows [BLOCK_G, HEAD_DIM] over cache slots start..end-1, from
+        the state (m, total, acc) of the slots before."""
         d = tl.arange(0, HEAD_DIM)
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
         for s0 in range(start, end, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             live = s < end
             k = tl.load(k_base + s[:, None] * k_stride_s + d[None, :], mask=live[:, None], other=0.0)
             v = tl.load(v_base + s[:, None] * v_stride_s + d[None, :], mask=live[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale
-            scores = tl.where(live[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            total = total * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, total, acc = _with_slots(q, k, v, live, m, total, acc, scale)
         return m, total, acc
 
     @triton.jit
@@ -196,7 +208,7 @@ if triton is not None:
     def _attend_new_token(qkv_ptr, qn_ptr, kn_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                           chunk, scale, eps, k_stride_h, k_stride_s, v_stride_h, v_stride_s, n_head, n_kv,
                           HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                          SPLITS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                          SPLITS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr, EARLY_SLOTS: tl.constexpr):
         """`_attend_piece` for one sequence whose new token is still in its projection: the
         GROUP query heads of kv head `kv` and the new k/v are derived here; the cache's slots
         before the new position are read from it, the new one's k/v come from registers."""
@@ -207,7 +219,9 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         heads = kv * GROUP + g
         real = g < GROUP
-        # What the kernel before does not write (RoPE's row, the norms' weights) loads before waiting for it.
+        # What the kernel before does not write loads before waiting for it: RoPE's row, the norms'
+        # weights, the position (written before the step) and the piece's first block of cached
+        # slots (written by earlier steps).
         cos = tl.load(rope_ptr + 2 * i).to(tl.float32)[None, :]
         sin = tl.load(rope_ptr + 2 * i + 1).to(tl.float32)[None, :]
         qw_a, qw_b, kw_a, kw_b = cos, cos, cos, cos  # (no QK-norm: unused)
@@ -216,9 +230,24 @@ if triton is not None:
             qw_b = tl.load(qn_ptr + 2 * i + 1).to(tl.float32)[None, :]
             kw_a = tl.load(kn_ptr + 2 * i).to(tl.float32)[None, :]
             kw_b = tl.load(kn_ptr + 2 * i + 1).to(tl.float32)[None, :]
+        pos = tl.load(pos_ptr)
+        start = piece * chunk
+        end = tl.minimum(start + chunk, pos + 1)
+        cached = tl.minimum(end, pos)  # the cache's slots up to the new position, whose k/v are not in it yet
+        k_base = k_ptr + kv * k_stride_h
+        v_base = v_ptr + kv * v_stride_h
+        s = start + tl.arange(0, BLOCK_S)
+        first_live = s < cached
+        first_at = s[:, None] * k_stride_s + d[None, :]
+        if EARLY_SLOTS:
+            k_first = tl.load(k_base + first_at, mask=first_live[:, None], other=0.0)
+            v_first = tl.load(v_base + s[:, None] * v_stride_s + d[None, :], mask=first_live[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY_SLOTS:
+            k_first = tl.load(k_base + first_at, mask=first_live[:, None], other=0.0)
+            v_first = tl.load(v_base + s[:, None] * v_stride_s + d[None, :], mask=first_live[:, None], other=0.0)
         q_at = qkv_ptr + heads[:, None] * HEAD_DIM + 2 * i[None, :]
         q = _rotated(tl.load(q_at, mask=real[:, None], other=0.0).to(tl.float32),
                      tl.load(q_at + 1, mask=real[:, None], other=0.0).to(tl.float32), cos, sin, qw_a, qw_b, eps,
@@ -227,14 +256,11 @@ if triton is not None:
         k_new = _rotated(tl.load(k_at).to(tl.float32), tl.load(k_at + 1).to(tl.float32), cos, sin, kw_a, kw_b, eps,
                          HEAD_DIM, QK_NORM, out_ptr.dtype.element_ty)  # [1, HEAD_DIM]
         v_new = tl.load(qkv_ptr + (n_head + n_kv + kv) * HEAD_DIM + d)[None, :]
-        pos = tl.load(pos_ptr)
-        start = piece * chunk
-        end = tl.minimum(start + chunk, pos + 1)
-        k_base = k_ptr + kv * k_stride_h
-        v_base = v_ptr + kv * v_stride_h
-        # the cache's slots up to the new position, whose k/v are not in it yet
-        m, total, acc = _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start, tl.minimum(end, pos), scale,
-                                    HEAD_DIM, BLOCK_G, BLOCK_S)
+        m, total, acc = _no_slots(BLOCK_G, HEAD_DIM)
+        if start < cached:
+            m, total, acc = _with_slots(q, k_first, v_first, first_live, m, total, acc, scale)
+        m, total, acc = _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start + BLOCK_S, cached, scale, m, total,
+                                    acc, HEAD_DIM, BLOCK_S)
         if (start <= pos) & (pos < end):  # this piece holds the new position: its k/v into the cache, and its term
             tl.store(k_base + pos * k_stride_s + d[None, :], k_new)
             tl.store(v_base + pos * v_stride_s + d[None, :], v_new)

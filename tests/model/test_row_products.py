@@ -170,6 +170,8 @@ def test_kernels_replay_in_a_cuda_graph():
 @pytest.mark.parametrize("heads, kv_heads, head_dim, qk_norm, slots, pos", [
     (16, 8, 128, True, 2048, 1099),  # S1-mini's slow layers: several pieces and their combine
     (16, 8, 128, True, 256, 0),  # the first position
+    (16, 8, 128, True, 2048, 64),  # the new position first in its piece: no cached slots there
+    (16, 8, 128, True, 2048, 33),  # the new position in its piece's second block
     (16, 8, 64, False, 10, 6),  # the fast layers: one piece
 ])
 def test_attention_from_the_projection_matches_the_model(heads, kv_heads, head_dim, qk_norm, slots, pos):
