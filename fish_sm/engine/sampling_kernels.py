@@ -1,23 +1,26 @@
-"""A frame's sampling at one row as kernels of our own: two for each pick, each pick also
-returning the next fast step's input (its code's embedding).
+"""A frame's sampling at one row as kernels of our own, each pick also returning the next fast
+step's input (its code's embedding).
 
 Compiled by inductor, `sampling.logits_to_probs` and the draw take five kernels a residual
 code (the penalty's scatter in two, the nucleus, two softmaxes) plus the next step's lookup,
 and the slow head's pick about fifteen (a radix sort of its 4,097 logits among them) plus the
-mapping of its penalty ids and of its row to a token and a code. Here, for either head:
+mapping of its penalty ids and of its row to a token and a code. Here, a residual code's pick
+is two kernels:
 - `_nucleus`: many programs, each deciding for a few logits whether they are in the nucleus
   (penalised logits, every one's probability, the mass ranked before each: the same
   pairwise rule as `sampling._top_p_drop_pairwise`), writing the tempered logit or -inf;
 - `_draw`: one program: the softmax of those, the exponential race against the step's noise,
-  the pick (for the slow head: its token and code), and the code's fast embedding row.
+  the pick, and the code's fast embedding row.
 Same arithmetic as the torch path, in float32; its sums run in another order, so a pick on
 the nucleus' boundary can differ in rare cases (as `sort_free` does against the sort).
 
-For several rows (the batching engine), `_pick_rows`: one program a row does both, finding the
-nucleus by bisection instead of comparing every pair (which grows with rows times V², where
-the sort it replaces took ~215 µs of a 32-row step's picks): the nucleus is every logit above
-the largest value whose logits at or above it hold more than top_p of the mass, plus those
-at that value which stable sorting puts first within it.
+For several rows (the batching engine), and for the slow head's pick at one row too,
+`_pick_rows`: one program a row does both, finding the nucleus by bisection instead of
+comparing every pair (which grows with rows times V², where the sort it replaces took ~215 µs
+of a 32-row step's picks, and which took 114 µs of a one-row frame for the head's 4,097
+logits): the nucleus is every logit above the largest value whose logits at or above it hold
+more than top_p of the mass, plus those at that value which stable sorting puts first within
+it; for the slow head, its token and code.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ except ImportError:  # CPU builds of torch come without Triton
 RESIDUAL_LAUNCH = (16, 4)
 HEAD_LAUNCH = (4, 8)
 # The slow head's pick at one row by `_nucleus_rows`' bisection (one program) instead of
-# `_nucleus`' pairwise rule (4,097 squared comparisons over many programs) and `_draw`.
+# `_nucleus`' pairwise rule (4,097 squared comparisons over many programs) and `_draw`: on an
+# H100, +5.2% frames/s with bf16 weights, +7.7% with INT8 (docs/benchmarks.md, twentieth pass).
 HEAD_BISECTION = True
 # Draws an `_exponential` program writes.
 NOISE_BLOCK = 2048
@@ -93,7 +97,8 @@ def _tempered(logits: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tenso
 def _pick(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
           previous: Tensor | None, table: Tensor, head_ids: tuple[int, int, int] | None,
           next_input: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """`_nucleus` then `_draw` for one row, `_pick_rows` for several: (token (the slow head's
+    """`_nucleus` then `_draw` for one row, `_pick_rows` for several (and for the slow head's
+    one row, with `HEAD_BISECTION`): (token (the slow head's
     only), code, the code's row of `table` (with `next_input`)), one per row."""
     if logits.shape[0] > 1 or (head_ids is not None and HEAD_BISECTION):
         return _pick_rows(logits, noise, temperature, top_p, penalty, previous, table, head_ids, next_input)
