@@ -91,7 +91,6 @@ elif what == "sequential":
         alone["{}x{}{} d{}".format(shape[0], shape[4], " per-row" if shape[5] else "", shape[3])] = attention_alone(*shape, [None])
         print("alone", json.dumps(alone), flush=True)
     out["attention_alone"] = alone
-    print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
     save()
 else:
     from fish_sm.engine.batching import BatchEngine

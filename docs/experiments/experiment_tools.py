@@ -5,8 +5,11 @@ import collections, json, os, statistics, time
 import torch
 
 from fish_sm.engine.batching import Job
-from fish_sm.engine.benchmark import BATCH_TEXTS, batching_curve, batching_level, measure
+from fish_sm.engine.benchmark import (BATCH_TEXTS, SENTENCE, batching_curve, batching_level,
+                                      compare_compiled_to_eager, measure)
 from fish_sm.engine.codec_stream import Captures, CodecStream
+from fish_sm.engine.engine import Engine
+from fish_sm.engine.prompt import build_prompt
 from fish_sm.engine.sampling import SamplingParams
 
 
@@ -169,11 +172,32 @@ def settings_in_turns(batcher, settings: dict, streams: list[int], rounds: int, 
     return levels
 
 
+def compiled_variant(checkpoint: str, mode: str, name: str, out: dict, save=lambda: None,
+                     prepare=lambda engine: None, facts=lambda engine: {}) -> Engine:
+    """An engine of `mode` weights (bf16 or int8), `prepare(engine)` run before it compiles
+    (captures its frames: settings read then are fixed from there on); its compile seconds,
+    `facts(engine)` and the compiled-against-eager check into out["variants"][name], printed,
+    then `save`."""
+    engine = Engine.from_pretrained(checkpoint, device="cuda")
+    if mode == "int8":
+        engine.quantize_int8()
+    prepare(engine)
+    t0 = time.perf_counter()
+    engine.compile()
+    info = {"compile_s": time.perf_counter() - t0, **facts(engine),
+            "compiled_vs_eager": compare_compiled_to_eager(
+                engine, build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE))}
+    out["variants"][name] = info
+    print(name, json.dumps(info), flush=True)
+    save()
+    return engine
+
+
 def decode_in_turns(engines: dict, rounds: int, out: dict, save=lambda: None, before=lambda name: None) -> None:
     """Each named engine's `measure` (decode of a 1,098-token prompt, 2 x 400 frames) in turn,
     `rounds` times, so that drift between them shows: into out["rounds"], then each one's
-    median into out["decode_frames_per_s_median"]; `save` after every measurement, `before(name)`
-    before it."""
+    median into out["decode_frames_per_s_median"], printed; `save` after every measurement and
+    at the end, `before(name)` before each."""
     for round_ in range(rounds):
         for name, engine in engines.items():
             before(name)
@@ -183,6 +207,8 @@ def decode_in_turns(engines: dict, rounds: int, out: dict, save=lambda: None, be
             save()
     out["decode_frames_per_s_median"] = {name: statistics.median(r["decode_frames_per_s"] for r in out["rounds"]
                                                                   if r["variant"] == name) for name in engines}
+    print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
+    save()
 
 
 def stream_all(sc, codes: list) -> float:

@@ -13,18 +13,15 @@ Not part of the package.
         loaded before it waits on the kernel before it); NxK=rows/block_k/warps (that shape).
         Decode speed in turns, the compiled-against-eager check ($OUT/frame_settings_ab.json)
 """
-import json, os, sys, time
+import json, os, sys
 
 import torch
 
-from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager
-from fish_sm.engine.engine import Engine
 from fish_sm.engine import sampling_kernels
-from fish_sm.engine.prompt import build_prompt
 from fish_sm.model import decode_attention, row_products
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from experiment_tools import decode_in_turns  # noqa: E402
+from experiment_tools import compiled_variant, decode_in_turns  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 
@@ -60,24 +57,11 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
         row_products.EARLY_CONSTANTS = early and "late" not in changes_
         sampling_kernels.HEAD_BISECTION = "bisect" in changes_ or (bisect and "pairwise" not in changes_)
         decode_attention.EARLY_SLOTS = "lateslots" not in changes_
-        engine = Engine.from_pretrained(checkpoint, device="cuda")
-        if mode == "int8":
-            engine.quantize_int8()
-        t0 = time.perf_counter()
-        engine.compile()  # the frames are captured: their launch configs are fixed from here on
-        info = {"compile_s": time.perf_counter() - t0,
-                "configs": {f"{n}x{k}": c for (n, k, q), c in row_products.LAUNCH_CONFIGS.items() if q == (mode == "int8")},
-                "compiled_vs_eager": compare_compiled_to_eager(
-                    engine, build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE))}
-        engines[variant] = engine
-        out["variants"][variant] = info
-        print(variant, json.dumps(info), flush=True)
-        save()
+        engines[variant] = compiled_variant(checkpoint, mode, variant, out, save, facts=lambda engine: {
+            "configs": {f"{n}x{k}": c for (n, k, q), c in row_products.LAUNCH_CONFIGS.items() if q == engine.quantized}})
     row_products.LAUNCH_CONFIGS, row_products.EARLY_CONSTANTS, sampling_kernels.HEAD_BISECTION = shipped, early, bisect
     decode_attention.EARLY_SLOTS = True
     decode_in_turns(engines, rounds, out, save)
-    print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
-    save()
     return out
 
 

@@ -12,28 +12,15 @@ import collections, json, os, statistics, sys, tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fish_sm.engine.benchmark import _timed
+from fish_sm.engine.benchmark import _timed, decode_step_inputs
 from fish_sm.engine.engine import Engine
-from fish_sm.engine.generate import attention_bucket, noise_size
-from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
 
 OUT = os.environ.get("OUT", ".")
 LIVE, REPLAYS = 1100, 30
 
 
-def frame_args(engine):
-    model, dev = engine.model, engine.device
-    t, p, r = (x.view(1, 1) for x in SamplingParams(seed=0).tensors(dev))
-    frame = torch.zeros(1, 1 + model.config.num_codebooks, dtype=torch.long, device=dev)
-    frame[:, 0] = model.semantic_begin_id
-    window = torch.zeros(1, 1 + model.config.num_codebooks, PENALTY_WINDOW, dtype=torch.long, device=dev)
-    noise = torch.empty(1, noise_size(model), device=dev).exponential_(1)
-    return (model, frame, torch.full((1,), LIVE - 1, device=dev), window, noise, t, p, r), \
-        model.positions[: attention_bucket(model.max_seq_len, LIVE)]
-
-
 def timeline(engine) -> dict:
-    args, key_pos = frame_args(engine)
+    args, key_pos = decode_step_inputs(engine, 1, LIVE)
     replay = lambda: engine._step(*args, key_pos=key_pos)
     with torch.inference_mode():
         for _ in range(5):

@@ -10,18 +10,15 @@ between frames and, without a window, evict them. Not part of the package.
         sets aside); noprefetch: the fast products do not stream the next product's weights.
         Decode speed in turns ($OUT/l2_window_ab.json), the compiled-against-eager check
 """
-import ctypes, glob, json, os, sys, time
+import ctypes, glob, json, os, sys
 
 import torch
 
 from fish_sm.engine import generate
-from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager
-from fish_sm.engine.engine import Engine
-from fish_sm.engine.prompt import build_prompt
 from fish_sm.model import row_products
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from experiment_tools import decode_in_turns  # noqa: E402
+from experiment_tools import compiled_variant, decode_in_turns  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 MIB = 1 << 20
@@ -130,40 +127,34 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
     print(json.dumps(out), flush=True)
     save = lambda: json.dump(out, open(os.path.join(OUT, "l2_window_ab.json"), "w"), indent=1)
     shipped_capture = generate.GraphedStep._capture
-    engines, windows = {}, {}
+    window = {}  # that of the engine being compiled: base, bytes, packed_bytes, kernels
+    generate.GraphedStep._capture = windowed_capture(window)
+    engines, set_asides = {}, {}
     for variant in variants:
         mode, size, *flags = variant.split(":")
-        engine = Engine.from_pretrained(checkpoint, device="cuda")
-        if mode == "int8":
-            engine.quantize_int8()
-        packed = pack_fast_weights(engine.model)
-        nbytes = min(packed.nbytes, most if size == "max" else int(float(size) * MIB), most) // MIB * MIB
-        window = windows[variant] = {"base": packed.data_ptr(), "bytes": nbytes, "packed_bytes": packed.nbytes}
-        engine._packed_fast = packed
-        set_aside(nbytes)
-        generate.GraphedStep._capture = windowed_capture(window)
-        chain = engine.model._chain_row_weights
-        if "noprefetch" in flags:
-            def no_fast_prefetch(ahead, model=engine.model, chain=chain):
-                chain(ahead)
-                for block in model.fast_layers:
-                    block.rows_ahead = {}
-                model.rows_ahead.pop("fast_head", None)
-                model.rows_ahead.pop("head", None)
-            engine.model._chain_row_weights = no_fast_prefetch
-        t0 = time.perf_counter()
-        engine.compile()
-        generate.GraphedStep._capture = shipped_capture
-        info = {"compile_s": time.perf_counter() - t0, "window": dict(window),
-                "compiled_vs_eager": compare_compiled_to_eager(
-                    engine, build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE))}
-        engines[variant] = engine
-        out["variants"][variant] = info
-        print(variant, json.dumps(info), flush=True)
-        save()
-    decode_in_turns(engines, rounds, out, save, before=lambda name: set_aside(windows[name]["bytes"]))
-    print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
-    save()
+
+        def prepare(engine):
+            packed = engine._packed_fast = pack_fast_weights(engine.model)
+            nbytes = min(packed.nbytes, most if size == "max" else int(float(size) * MIB), most) // MIB * MIB
+            window.clear()
+            window.update(base=packed.data_ptr(), bytes=nbytes, packed_bytes=packed.nbytes)
+            set_aside(nbytes)
+            if "noprefetch" in flags:
+                chain = engine.model._chain_row_weights
+
+                def no_fast_prefetch(ahead, model=engine.model):
+                    chain(ahead)
+                    for block in model.fast_layers:
+                        block.rows_ahead = {}
+                    model.rows_ahead.pop("fast_head", None)
+                    model.rows_ahead.pop("head", None)
+                engine.model._chain_row_weights = no_fast_prefetch
+
+        engines[variant] = compiled_variant(checkpoint, mode, variant, out, save, prepare,
+                                            facts=lambda engine: {"window": dict(window)})
+        set_asides[variant] = window["bytes"]
+    generate.GraphedStep._capture = shipped_capture
+    decode_in_turns(engines, rounds, out, save, before=lambda name: set_aside(set_asides[name]))
     return out
 
 

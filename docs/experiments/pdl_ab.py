@@ -59,5 +59,3 @@ for variant in sys.argv[2].split(","):
     save()
 
 decode_in_turns(engines, int(sys.argv[3]) if len(sys.argv) > 3 else 2, out, save)
-print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
-save()

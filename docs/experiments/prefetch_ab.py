@@ -6,17 +6,14 @@ ahead into L2 or not (`row_products.PREFETCH_AHEAD`). Not part of the package.
         part, all (default), slow or fast: only that transformer's products (and head)
         prefetch. Decode speed in turns, the compiled-against-eager check ($OUT/prefetch_ab.json)
 """
-import json, os, sys, time
+import json, os, sys
 
 import torch
 
-from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager
-from fish_sm.engine.engine import Engine
-from fish_sm.engine.prompt import build_prompt
 from fish_sm.model import dual_ar, row_products
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from experiment_tools import decode_in_turns  # noqa: E402
+from experiment_tools import compiled_variant, decode_in_turns  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 
@@ -43,25 +40,12 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
         mode, ahead, part = (variant.split(":") + ["all"])[:3]
         row_products.PREFETCH_AHEAD = {"bf16": int(ahead), "int8": int(ahead)}
         dual_ar.DualARTransformer._chain_row_weights = chain_for(part)
-        engine = Engine.from_pretrained(checkpoint, device="cuda")
-        if mode == "int8":
-            engine.quantize_int8()
-        t0 = time.perf_counter()
-        engine.compile()  # captures the frames: the prefetches are fixed from here on
-        model = engine.model
-        info = {"compile_s": time.perf_counter() - t0,
-                "prefetching": {"slow layer": len(model.layers[0].rows_ahead),
-                                "fast layer": len(model.fast_layers[0].rows_ahead), "heads": list(model.rows_ahead)},
-                "compiled_vs_eager": compare_compiled_to_eager(
-                    engine, build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE))}
-        engines[variant] = engine
-        out["variants"][variant] = info
-        print(variant, json.dumps(info), flush=True)
-        save()
+        engines[variant] = compiled_variant(checkpoint, mode, variant, out, save, facts=lambda engine: {
+            "prefetching": {"slow layer": len(engine.model.layers[0].rows_ahead),
+                            "fast layer": len(engine.model.fast_layers[0].rows_ahead),
+                            "heads": list(engine.model.rows_ahead)}})
     row_products.PREFETCH_AHEAD, dual_ar.DualARTransformer._chain_row_weights = shipped, chain
     decode_in_turns(engines, rounds, out, save)
-    print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
-    save()
     return out
 
 

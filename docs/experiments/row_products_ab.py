@@ -112,8 +112,6 @@ def frames(checkpoint: str, variants: list[str], rounds: int) -> dict:
               json.dumps({k: v for k, v in info.get("profile", {}).items() if k != "top"}), flush=True)
         save()
     decode_in_turns(engines, rounds, out, save)
-    print(json.dumps(out["decode_frames_per_s_median"]), flush=True)
-    save()
     return out
 
 

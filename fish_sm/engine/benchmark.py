@@ -205,21 +205,25 @@ def kernel_profile(run, calls: int, device: torch.device, top: int = 25) -> dict
                      "share": sum(v) / total} for n, v in ranked]}
 
 
-def profile_decode(engine: Engine, batch: int, live: int, calls: int = 20, top: int = 25) -> dict:
-    """One decode step of `batch` rows at `live` cache slots: its kernels (see
-    `kernel_profile`) and the time of its CUDA graph replay (CUDA, compiled engines)."""
+def decode_step_inputs(engine: Engine, batch: int, live: int) -> tuple[tuple, torch.Tensor]:
+    """`decode_frame`'s arguments for a step of `batch` rows at `live` cache slots (model, frame,
+    positions, penalty window, noise, temperature, top_p, penalty), and its `key_pos`."""
     model, dev = engine.model, engine.device
-    step = engine._step
     rows = 1 + model.config.num_codebooks
-    params = SamplingParams(seed=0)
-    t, p, r = (x.view(1, 1).expand(batch, 1).contiguous() for x in params.tensors(dev))
+    t, p, r = (x.view(1, 1).expand(batch, 1).contiguous() for x in SamplingParams(seed=0).tensors(dev))
     frame = torch.zeros(batch, rows, dtype=torch.long, device=dev)
     frame[:, 0] = model.semantic_begin_id
     pos = torch.full((batch,), live - 1, device=dev)
     window = torch.zeros(batch, rows, PENALTY_WINDOW, dtype=torch.long, device=dev)
     noise = torch.empty(batch, noise_size(model), device=dev).exponential_(1)
-    key_pos = model.positions[: attention_bucket(model.max_seq_len, live)]
-    args = (model, frame, pos, window, noise, t, p, r)
+    return (model, frame, pos, window, noise, t, p, r), model.positions[: attention_bucket(model.max_seq_len, live)]
+
+
+def profile_decode(engine: Engine, batch: int, live: int, calls: int = 20, top: int = 25) -> dict:
+    """One decode step of `batch` rows at `live` cache slots: its kernels (see
+    `kernel_profile`) and the time of its CUDA graph replay (CUDA, compiled engines)."""
+    dev, step = engine.device, engine._step
+    args, key_pos = decode_step_inputs(engine, batch, live)
     with torch.inference_mode():
         out = kernel_profile(lambda: decode_frame(*args, key_pos=key_pos, pickers=step.pickers_for(batch)), calls, dev,
                              top)
