@@ -8,7 +8,9 @@ Not part of the package.
         VARIANT = weights:change[+change...]: own (as shipped); late (the scales and norm weights
         loaded after the wait, `row_products.EARLY_CONSTANTS` off); pairwise / bisect (the slow
         head's one-row pick, `sampling_kernels.HEAD_BISECTION` off / on); lateslots (attention's
-        first cached slots loaded after the wait, `decode_attention.EARLY_SLOTS` off); bf16cfg (INT8 products take bf16's
+        first cached slots loaded after the wait, `decode_attention.EARLY_SLOTS` off); attn=P
+        (`decode_attention.TARGET_PROGRAMS` P); reslaunch=J/W (`sampling_kernels.RESIDUAL_LAUNCH`:
+        logits a residual code's `_nucleus` program decides for, warps); bf16cfg (INT8 products take bf16's
         config for their shape); wholek (inputs per block ≥ K, a power of 2: every weight a program reads is
         loaded before it waits on the kernel before it); NxK=rows/block_k/warps (that shape).
         Decode speed in turns, the compiled-against-eager check ($OUT/frame_settings_ab.json)
@@ -30,7 +32,7 @@ def configs_for(changes: str, shipped: dict) -> dict:
     """`shipped` launch configs with `changes` applied in order."""
     configs = dict(shipped)
     for change in changes.split("+"):
-        if change in ("own", "late", "pairwise", "bisect", "lateslots"):
+        if change in ("own", "late", "pairwise", "bisect", "lateslots") or change.startswith(("attn=", "reslaunch=")):
             continue
         if change == "bf16cfg":
             configs.update({(n, k, True): configs[(n, k, False)] for n, k, int8 in list(configs) if not int8})
@@ -49,6 +51,7 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}, "rounds": []}
     save = lambda: json.dump(out, open(os.path.join(OUT, "frame_settings_ab.json"), "w"), indent=1)
     shipped, early, bisect = row_products.LAUNCH_CONFIGS, row_products.EARLY_CONSTANTS, sampling_kernels.HEAD_BISECTION
+    programs, residual_launch = decode_attention.TARGET_PROGRAMS, sampling_kernels.RESIDUAL_LAUNCH
     engines = {}
     for variant in variants:
         mode, changes = variant.split(":", 1)
@@ -57,10 +60,14 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
         row_products.EARLY_CONSTANTS = early and "late" not in changes_
         sampling_kernels.HEAD_BISECTION = "bisect" in changes_ or (bisect and "pairwise" not in changes_)
         decode_attention.EARLY_SLOTS = "lateslots" not in changes_
+        decode_attention.TARGET_PROGRAMS = next((int(c[5:]) for c in changes_ if c.startswith("attn=")), programs)
+        sampling_kernels.RESIDUAL_LAUNCH = next((tuple(map(int, c[10:].split("/"))) for c in changes_
+                                                 if c.startswith("reslaunch=")), residual_launch)
         engines[variant] = compiled_variant(checkpoint, mode, variant, out, save, facts=lambda engine: {
             "configs": {f"{n}x{k}": c for (n, k, q), c in row_products.LAUNCH_CONFIGS.items() if q == engine.quantized}})
     row_products.LAUNCH_CONFIGS, row_products.EARLY_CONSTANTS, sampling_kernels.HEAD_BISECTION = shipped, early, bisect
     decode_attention.EARLY_SLOTS = True
+    decode_attention.TARGET_PROGRAMS, sampling_kernels.RESIDUAL_LAUNCH = programs, residual_launch
     decode_in_turns(engines, rounds, out, save)
     return out
 

@@ -79,10 +79,12 @@ def attend_new_token(qkv: Tensor, n_head: int, n_kv: int, q_norm: Tensor | None,
     return out
 
 
-def launch_config(bsz: int, n_kv: int, slots: int, target: int = TARGET_PROGRAMS, block: int = 32,
+def launch_config(bsz: int, n_kv: int, slots: int, target: int | None = None, block: int = 32,
                   warps: int = 2) -> tuple[int, int, int]:
     """Slots per block, pieces per (sequence, kv head) (a power of two, at most one per block
-    of slots), warps per program."""
+    of slots), warps per program; about `target` programs in all (`TARGET_PROGRAMS`, read at
+    each call)."""
+    target = TARGET_PROGRAMS if target is None else target
     block_s = block if slots >= block else max(16, triton.next_power_of_2(slots))
     splits = max(1, target // (bsz * n_kv))
     splits = min(triton.next_power_of_2(splits), triton.next_power_of_2(triton.cdiv(slots, block_s)))
