@@ -526,6 +526,10 @@ def cold_warm(checkpoint: str, quantize: str, warm_starts: int = 3) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "FISH_SM_CACHE_DIR": cache, "FISH_SM_QUANTIZE": quantize, "FISH_SM_COMPILE": "true",
                "FISH_SM_WARMUP": "2"}
+        # Triton's kernels go where the compile cache puts them, as in a fresh container: inductor
+        # sets TRITON_CACHE_DIR in this process once it compiles (the modes measured before), and
+        # handed on, the starts would find this process's kernels there and never build their own.
+        env.pop("TRITON_CACHE_DIR", None)
         for start in range(1 + warm_starts):
             proc = subprocess.run([sys.executable, "-c", COLD_WARM, checkpoint], env=env, capture_output=True, text=True)
             line = [x for x in proc.stdout.splitlines() if x.startswith("MODEL_FN ")]
