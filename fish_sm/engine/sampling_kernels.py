@@ -37,8 +37,8 @@ except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
 # Logits a `_nucleus` program decides for, and its warps: each program also reads all of them.
-# A residual code's: 8 (128 programs), +1.9% INT8 frames/s against 16 on an H100, where 32 lost
-# 3.4% and two warps 11% (docs/benchmarks.md, twenty-first pass).
+# A residual code's: 8 (128 programs), against 16 on an H100 +1.5-1.9% frames/s with INT8 weights
+# and +1.1% with bf16; 32 lost 3.4%, 16 on two warps 11% (docs/benchmarks.md, twenty-first pass).
 RESIDUAL_LAUNCH = (8, 4)
 HEAD_LAUNCH = (4, 8)
 # The slow head's pick at one row by `_nucleus_rows`' bisection (one program) instead of
