@@ -28,11 +28,19 @@ from experiment_tools import compiled_variant, decode_in_turns  # noqa: E402
 OUT = os.environ.get("OUT", ".")
 
 
+VALUED = ("attn=", "reslaunch=")  # changes with a value after their name
+
+
+def value_of(changes: list[str], name: str) -> str | None:
+    """The value of change `name` (one of VALUED) among `changes`, or None."""
+    return next((c[len(name):] for c in changes if c.startswith(name)), None)
+
+
 def configs_for(changes: str, shipped: dict) -> dict:
     """`shipped` launch configs with `changes` applied in order."""
     configs = dict(shipped)
     for change in changes.split("+"):
-        if change in ("own", "late", "pairwise", "bisect", "lateslots") or change.startswith(("attn=", "reslaunch=")):
+        if change in ("own", "late", "pairwise", "bisect", "lateslots") or change.startswith(VALUED):
             continue
         if change == "bf16cfg":
             configs.update({(n, k, True): configs[(n, k, False)] for n, k, int8 in list(configs) if not int8})
@@ -60,9 +68,9 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
         row_products.EARLY_CONSTANTS = early and "late" not in changes_
         sampling_kernels.HEAD_BISECTION = "bisect" in changes_ or (bisect and "pairwise" not in changes_)
         decode_attention.EARLY_SLOTS = "lateslots" not in changes_
-        decode_attention.TARGET_PROGRAMS = next((int(c[5:]) for c in changes_ if c.startswith("attn=")), programs)
-        sampling_kernels.RESIDUAL_LAUNCH = next((tuple(map(int, c[10:].split("/"))) for c in changes_
-                                                 if c.startswith("reslaunch=")), residual_launch)
+        attn, reslaunch = value_of(changes_, "attn="), value_of(changes_, "reslaunch=")
+        decode_attention.TARGET_PROGRAMS = programs if attn is None else int(attn)
+        sampling_kernels.RESIDUAL_LAUNCH = residual_launch if reslaunch is None else tuple(map(int, reslaunch.split("/")))
         engines[variant] = compiled_variant(checkpoint, mode, variant, out, save, facts=lambda engine: {
             "configs": {f"{n}x{k}": c for (n, k, q), c in row_products.LAUNCH_CONFIGS.items() if q == engine.quantized}})
     row_products.LAUNCH_CONFIGS, row_products.EARLY_CONSTANTS, sampling_kernels.HEAD_BISECTION = shipped, early, bisect
