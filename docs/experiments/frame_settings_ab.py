@@ -12,8 +12,11 @@ Not part of the package.
         (`decode_attention.TARGET_PROGRAMS` P); reslaunch=J/W (`sampling_kernels.RESIDUAL_LAUNCH`:
         logits a residual code's `_nucleus` program decides for, warps); bf16cfg (INT8 products take bf16's
         config for their shape); wholek (inputs per block ≥ K, a power of 2: every weight a program reads is
-        loaded before it waits on the kernel before it); NxK=rows/block_k/warps (that shape).
-        Decode speed in turns, the compiled-against-eager check ($OUT/frame_settings_ab.json)
+        loaded before it waits on the kernel before it); NxK=rows/block_k/warps (that shape);
+        nopf=T.P[,T.P] (products P of transformer T, slow or fast, stream no later weights into L2:
+        `PREFETCH_AHEAD`'s chain with those links cut).
+        Decode speed in turns, the compiled-against-eager check ($OUT/frame_settings_ab.json); with
+        TIMELINE=1, each variant's frame timeline by part (frame_timeline.py's `role_sums`).
 """
 import json, os, sys
 
@@ -21,14 +24,16 @@ import torch
 
 from fish_sm.engine import sampling_kernels
 from fish_sm.model import decode_attention, row_products
+from fish_sm.model.dual_ar import DualARTransformer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import frame_timeline  # noqa: E402
 from experiment_tools import compiled_variant, decode_in_turns  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 
 
-VALUED = ("attn=", "reslaunch=")  # changes with a value after their name
+VALUED = ("attn=", "reslaunch=", "nopf=")  # changes with a value after their name
 
 
 def value_of(changes: list[str], name: str) -> str | None:
@@ -60,6 +65,15 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
     save = lambda: json.dump(out, open(os.path.join(OUT, "frame_settings_ab.json"), "w"), indent=1)
     shipped, early, bisect = row_products.LAUNCH_CONFIGS, row_products.EARLY_CONSTANTS, sampling_kernels.HEAD_BISECTION
     programs, residual_launch = decode_attention.TARGET_PROGRAMS, sampling_kernels.RESIDUAL_LAUNCH
+    chain, cut = DualARTransformer._chain_row_weights, set()
+
+    def chain_with_cuts(model, ahead):  # the shipped chain, then the variant's links cut
+        chain(model, ahead)
+        for transformer, name in cut:
+            for block in (model.layers if transformer == "slow" else model.fast_layers):
+                block.rows_ahead.pop(name, None)
+
+    DualARTransformer._chain_row_weights = chain_with_cuts
     engines = {}
     for variant in variants:
         mode, changes = variant.split(":", 1)
@@ -71,12 +85,21 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
         attn, reslaunch = value_of(changes_, "attn="), value_of(changes_, "reslaunch=")
         decode_attention.TARGET_PROGRAMS = programs if attn is None else int(attn)
         sampling_kernels.RESIDUAL_LAUNCH = residual_launch if reslaunch is None else tuple(map(int, reslaunch.split("/")))
+        cut = {tuple(link.split(".")) for link in (value_of(changes_, "nopf=") or "").split(",") if link}
         engines[variant] = compiled_variant(checkpoint, mode, variant, out, save, facts=lambda engine: {
-            "configs": {f"{n}x{k}": c for (n, k, q), c in row_products.LAUNCH_CONFIGS.items() if q == engine.quantized}})
+            "configs": {f"{n}x{k}": c for (n, k, q), c in row_products.LAUNCH_CONFIGS.items() if q == engine.quantized},
+            "prefetch_cut": sorted(".".join(c) for c in cut)})
     row_products.LAUNCH_CONFIGS, row_products.EARLY_CONSTANTS, sampling_kernels.HEAD_BISECTION = shipped, early, bisect
-    decode_attention.EARLY_SLOTS = True
+    decode_attention.EARLY_SLOTS, DualARTransformer._chain_row_weights = True, chain
     decode_attention.TARGET_PROGRAMS, sampling_kernels.RESIDUAL_LAUNCH = programs, residual_launch
     decode_in_turns(engines, rounds, out, save)
+    if os.environ.get("TIMELINE") == "1":
+        out["parts"] = {}
+        for variant, engine in engines.items():
+            out["parts"][variant] = frame_timeline.role_sums(frame_timeline.timeline(engine)["rows"])
+            save()
+        for part in out["parts"][variants[0]]:
+            print(f"{part:28s}", " ".join(f'{p.get(part, 0):7.1f}' for p in out["parts"].values()), flush=True)
     return out
 
 

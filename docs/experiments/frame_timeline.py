@@ -59,6 +59,33 @@ def groups(rows) -> dict:
             for k, v in sorted(g.items(), key=lambda kv: -kv[1][1])}
 
 
+def roles(rows) -> list[str]:
+    """Each kernel's part of the frame, by its place around the attention kernels: slow or fast
+    wqkv, attn, combine, wo, w13, w2; anything else by its name and grid."""
+    names = [r["name"] for r in rows]
+    slow = [i for i, r in enumerate(rows) if names[i].startswith("_attend") and r["grid"] and r["grid"][1] > 1]
+    fast = [i for i in range(len(rows)) if names[i].startswith("_attend") and i not in slow]
+    out = [f'{n[:24]} {r["grid"][0] if r["grid"] else ""}' for n, r in zip(names, rows)]
+    for transformer, at in (("slow", slow), ("fast", fast)):
+        for a in at:
+            out[a - 1], out[a] = f"{transformer} wqkv", f"{transformer} attn"
+            o = a + 1
+            if o < len(rows) and names[o].startswith("_combine"):
+                out[o], o = f"{transformer} combine", o + 1
+            for j, part in enumerate(("wo", "w13", "w2")):
+                if o + j < len(rows) and names[o + j] == "_product":
+                    out[o + j] = f"{transformer} {part}"
+    return out
+
+
+def role_sums(rows) -> dict:
+    """Marginal µs a frame by part (`roles`)."""
+    sums = collections.defaultdict(float)
+    for role, r in zip(roles(rows), rows):
+        sums[role] += r["marginal_us"]
+    return {k: round(v, 1) for k, v in sums.items()}
+
+
 def main(checkpoint: str, modes: list[str]) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "live": LIVE, "modes": {}}
     for mode in modes:
@@ -68,10 +95,11 @@ def main(checkpoint: str, modes: list[str]) -> dict:
         engine.compile()
         t = timeline(engine)
         t["groups"] = groups(t["rows"])
+        t["parts"] = role_sums(t["rows"])
         out["modes"][mode] = t
         print(mode, json.dumps({k: t[k] for k in ("replay_wall_us", "kernels", "span_us")}), flush=True)
-        for k, v in list(t["groups"].items())[:25]:
-            print(f"  {v['count']:4d} {v['marginal_us']:8.1f} {v['dur_us']:8.1f}  {k}", flush=True)
+        for k, v in t["parts"].items():
+            print(f"  {v:8.1f}  {k}", flush=True)
         del engine
         torch.cuda.empty_cache()
         json.dump(out, open(os.path.join(OUT, "frame_timeline.json"), "w"), indent=1)
