@@ -56,7 +56,8 @@ def usable(x: Tensor) -> bool:
 # (N, K, int8): the fastest of a sweep of 24-48 on an H100, weights read from memory as a
 # frame reads them (docs/experiments/row_products_ab.py sweep; tenth pass). The nineteenth
 # pass's int8 winners alone (up to 10% faster each) made whole frames 2-4% slower. INT8 w13 takes
-# its whole K in one block, chosen in whole frames: +1.0% and +3.0% frames/s (twenty-second pass).
+# its whole K in one block, chosen in whole frames: +1.0% to +3.0% frames/s in four A/Bs
+# (docs/benchmarks.md, twenty-second pass).
 # Other shapes take the default, which was within ~25% of the best at every one of these.
 LAUNCH_CONFIGS = {
     (4096, 1024, False): (16, 1024, 4), (1024, 2048, False): (2, 1024, 4), (6144, 1024, False): (4, 512, 4),
