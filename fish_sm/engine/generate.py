@@ -13,6 +13,7 @@ or compiled with torch.compile.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import time
 from typing import Callable, Iterator, NamedTuple
@@ -208,6 +209,16 @@ def admission_shapes(max_batch: int, max_seq_len: int, max_tokens: int) -> list[
     return [(b, w) for w in sorted(widths) for b in batch_sizes(max_batch) if b * w <= max_tokens]
 
 
+@functools.cache
+def kernels_load_in_captures() -> bool:
+    """Whether this CUDA driver loads a kernel's module inside a stream capture (12.3 and later)."""
+    try:
+        version = ctypes.c_int(0)
+        return ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value >= 12030
+    except (OSError, AttributeError):
+        return False
+
+
 class GraphedStep:
     """`decode_frame` replayed from CUDA graphs, one per (batch size, attention bucket), so a
     frame is a single launch of all its kernels with no Python or launch overhead between
@@ -267,12 +278,12 @@ class GraphedStep:
         self.timings: dict[str, float] = {}  # capture seconds by kind (capture_all)
 
     @torch.inference_mode()  # as every replay runs: one grad mode, one set of compiled graphs
-    def capture(self, batch: int, bucket: int) -> None:
+    def capture(self, batch: int, bucket: int, warm_up: bool = True) -> None:
         model, x = self.model, {k: v[:batch] for k, v in self.inputs.items()}
         x["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
         self.graphs[(batch, bucket)] = self._capture(lambda: decode_frame(
             model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"], x["top_p"], x["penalty"],
-            key_pos=model.positions[:bucket], pickers=self.pickers_for(batch)))
+            key_pos=model.positions[:bucket], pickers=self.pickers_for(batch)), warm_up)
 
     def pickers_for(self, batch: int) -> Pickers:
         return self.pickers_one if batch == 1 else self.pickers_many
@@ -281,14 +292,23 @@ class GraphedStep:
         """Every decode step and first frame of these batch sizes; with `prefill`, the
         one-row prefill of every prompt-length bucket too (the sequential engine).
         `timings`: seconds by kind; "traced" is the first decode capture, which also traces
-        and compiles (or loads from the cache) the layers and pickers."""
+        and compiles (or loads from the cache) the layers and pickers.
+
+        Only the first capture of each batch size and kind runs its function once before
+        capturing it: what that run is for (compiling, tuning, first launches, workspaces) is
+        then done, since the next buckets differ only in lengths that compiled code does not
+        see, and kernels a later bucket launches for the first time load inside the capture
+        (CUDA 12.3 and later). On an H100, an INT8 warm start's 17 later prefill captures took
+        1.7 s against 2.5-2.8 s, its 15 later decode captures 0.4-0.7 s against 0.9-1.1 s
+        (docs/benchmarks.md, twenty-third pass). A driver before CUDA 12.3 fails such a capture,
+        and torch does not recover from a failed one, so there every capture warms up."""
         for batch in batches:
-            for bucket in length_buckets(self.model.max_seq_len):
-                self._timed("traced" if not self.graphs else "decode", self.capture, batch, bucket)
+            for i, bucket in enumerate(length_buckets(self.model.max_seq_len)):
+                self._timed("traced" if not self.graphs else "decode", self.capture, batch, bucket, i == 0)
             self._timed("first", self.capture_first, batch)
         if prefill:
-            for bucket in prefill_buckets(self.model.max_seq_len):
-                self._timed("prefill", self.capture_prefill, bucket)
+            for i, bucket in enumerate(prefill_buckets(self.model.max_seq_len)):
+                self._timed("prefill", self.capture_prefill, bucket, i == 0)
 
     def _timed(self, kind: str, capture: Callable, *args) -> None:
         t0 = time.perf_counter()
@@ -319,13 +339,13 @@ class GraphedStep:
         return out[:batch]
 
     @torch.inference_mode()
-    def capture_prefill(self, bucket: int) -> None:
+    def capture_prefill(self, bucket: int, warm_up: bool = True) -> None:
         """A one-row prefill of `bucket` positions from 0, the prompt padded at its end (the
         padding's keys land after the prompt, where decoding overwrites them before any
         query may see them): its ~1,900 kernels without the Python between them."""
         model, x = self.model, self.prefill_inputs
         self.graphs[("prefill", bucket)] = self._capture(lambda: model.forward_slow(
-            x["tokens"][:, :, :bucket], model.positions[:bucket], bucket, last=x["last"]))
+            x["tokens"][:, :, :bucket], model.positions[:bucket], bucket, last=x["last"]), warm_up)
 
     def prefill(self, prompt: Tensor) -> tuple[Tensor, Tensor]:
         """`prefill`, replayed when the prompt's bucket was captured (graph outputs, valid
@@ -364,12 +384,13 @@ class GraphedStep:
         graph.replay()
         return out
 
-    def _capture(self, run: Callable[[], Tensor]) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()  # warm-up outside the graph: lazy inits, workspace allocations
-        torch.cuda.current_stream().wait_stream(side)
+    def _capture(self, run: Callable[[], Tensor], warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        if warm_up or not kernels_load_in_captures():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()  # outside the graph: compiling, lazy inits, workspace allocations
+            torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = run()
