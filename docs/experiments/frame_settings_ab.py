@@ -14,7 +14,8 @@ Not part of the package.
         config for their shape); wholek (inputs per block ≥ K, a power of 2: every weight a program reads is
         loaded before it waits on the kernel before it); NxK=rows/block_k/warps (that shape);
         nopf=T.P[,T.P] (products P of transformer T, slow or fast, stream no later weights into L2:
-        `PREFETCH_AHEAD`'s chain with those links cut).
+        `PREFETCH_AHEAD`'s chain with those links cut); i2f (int8 weights turned into floats by the
+        conversion instruction, `row_products.INT8_BY_MANTISSA` off).
         Decode speed in turns, the compiled-against-eager check ($OUT/frame_settings_ab.json); with
         TIMELINE=1, each variant's frame timeline by part (frame_timeline.py's `role_sums`).
 """
@@ -45,7 +46,7 @@ def configs_for(changes: str, shipped: dict) -> dict:
     """`shipped` launch configs with `changes` applied in order."""
     configs = dict(shipped)
     for change in changes.split("+"):
-        if change in ("own", "late", "pairwise", "bisect", "lateslots") or change.startswith(VALUED):
+        if change in ("own", "late", "pairwise", "bisect", "lateslots", "i2f") or change.startswith(VALUED):
             continue
         if change == "bf16cfg":
             configs.update({(n, k, True): configs[(n, k, False)] for n, k, int8 in list(configs) if not int8})
@@ -64,6 +65,7 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}, "rounds": []}
     save = lambda: json.dump(out, open(os.path.join(OUT, "frame_settings_ab.json"), "w"), indent=1)
     shipped, early, bisect = row_products.LAUNCH_CONFIGS, row_products.EARLY_CONSTANTS, sampling_kernels.HEAD_BISECTION
+    mantissa = row_products.INT8_BY_MANTISSA
     programs, residual_launch = decode_attention.TARGET_PROGRAMS, sampling_kernels.RESIDUAL_LAUNCH
     chain, cut = DualARTransformer._chain_row_weights, set()
 
@@ -80,6 +82,7 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
         changes_ = changes.split("+")
         row_products.LAUNCH_CONFIGS = configs_for(changes, shipped)
         row_products.EARLY_CONSTANTS = early and "late" not in changes_
+        row_products.INT8_BY_MANTISSA = mantissa and "i2f" not in changes_
         sampling_kernels.HEAD_BISECTION = "bisect" in changes_ or (bisect and "pairwise" not in changes_)
         decode_attention.EARLY_SLOTS = "lateslots" not in changes_
         attn, reslaunch = value_of(changes_, "attn="), value_of(changes_, "reslaunch=")
@@ -88,9 +91,10 @@ def main(checkpoint: str, variants: list[str], rounds: int) -> dict:
         cut = {tuple(link.split(".")) for link in (value_of(changes_, "nopf=") or "").split(",") if link}
         engines[variant] = compiled_variant(checkpoint, mode, variant, out, save, facts=lambda engine: {
             "configs": {f"{n}x{k}": c for (n, k, q), c in row_products.LAUNCH_CONFIGS.items() if q == engine.quantized},
-            "prefetch_cut": sorted(".".join(c) for c in cut)})
+            "prefetch_cut": sorted(".".join(c) for c in cut), "int8_by_mantissa": row_products.INT8_BY_MANTISSA})
     row_products.LAUNCH_CONFIGS, row_products.EARLY_CONSTANTS, sampling_kernels.HEAD_BISECTION = shipped, early, bisect
     decode_attention.EARLY_SLOTS, DualARTransformer._chain_row_weights = True, chain
+    row_products.INT8_BY_MANTISSA = mantissa
     decode_attention.TARGET_PROGRAMS, sampling_kernels.RESIDUAL_LAUNCH = programs, residual_launch
     decode_in_turns(engines, rounds, out, save)
     if os.environ.get("TIMELINE") == "1":

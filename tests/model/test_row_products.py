@@ -123,6 +123,24 @@ def test_loading_the_constants_before_the_wait_changes_nothing(int8, monkeypatch
     assert torch.equal(early, row_products.row_product(*args))
 
 
+@needs_gpu
+@pytest.mark.parametrize("k, prologue", [(1024, row_products.NORM), (3072, row_products.SWIGLU), (2048, row_products.PLAIN)])
+def test_int8_weights_through_the_mantissa_are_exact(k, prologue, monkeypatch):
+    """Every int8 value at every position of a block, turned into floats by byte permutes:
+    the same product as the conversion instruction's, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    n = 256
+    w = ((torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 256 - 128).to(torch.int8).cuda()
+    scale = (torch.rand(n, generator=g) * 0.01 + 1e-3).cuda()
+    width = 2 * k if prologue == row_products.SWIGLU else k
+    x = (torch.randn(1, 1, width, generator=g) * 3).to("cuda", torch.bfloat16)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to("cuda", torch.bfloat16) if prologue == row_products.NORM else None
+    args = (x, w, scale, norm, None, prologue, 1e-6)
+    permuted = row_products.row_product(*args)
+    monkeypatch.setattr(row_products, "INT8_BY_MANTISSA", False)
+    assert torch.equal(permuted, row_products.row_product(*args))
+
+
 def test_bulk_prefetch_takes_aligned_sizes_in_whole_shares():
     if not torch.cuda.is_available():
         assert not row_products._bulk_prefetchable(torch.zeros(4096, dtype=torch.int8), 8)
