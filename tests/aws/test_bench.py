@@ -8,13 +8,14 @@ import struct
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import numpy as np
 import pytest
 import soundfile as sf
 from click.testing import CliRunner
 
+from standin_server import StandInServer
 from fish_sm.aws import AWSError
 from fish_sm.aws import bench as b
 from fish_sm.aws.invoke import ServiceError, UrlTarget, build_request
@@ -97,7 +98,7 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server_url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = StandInServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"

@@ -14,11 +14,10 @@ import http.client
 import json
 import re
 import struct
-import sys
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 import boto3
@@ -28,6 +27,7 @@ import soundfile as sf
 from click.testing import CliRunner
 
 from moto_helpers import moto_server
+from standin_server import StandInServer
 from fish_sm.aws.invoke import EndpointTarget, ServiceError
 from fish_sm.aws.session import AWS
 from fish_sm.cli import main
@@ -137,16 +137,6 @@ class Runtime(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-class RuntimeServer(ThreadingHTTPServer):
-    """The stand-in's server. A client that drops its kept-alive connection (the CLI, done with a
-    broken stream) is no error of the runtime's: socketserver would print its traceback to
-    stderr, from this thread, into whatever CLI output a test is capturing at that moment."""
-
-    def handle_error(self, request, client_address):
-        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
-            super().handle_error(request, client_address)
-
-
 @pytest.fixture(scope="module")
 def runtime_url(tmp_path_factory, tiny_url):
     """moto (with endpoint NAME, born InService) behind the runtime stand-in; AWS settings from nowhere else."""
@@ -159,7 +149,7 @@ def runtime_url(tmp_path_factory, tiny_url):
             "VariantName": "AllTraffic", "ModelName": f"{NAME}-1", "InitialInstanceCount": 1,
             "InstanceType": "ml.m5.xlarge"}])
         sm.create_endpoint(EndpointName=NAME, EndpointConfigName=f"{NAME}-1")
-        server = RuntimeServer(("127.0.0.1", 0), Runtime)
+        server = StandInServer(("127.0.0.1", 0), Runtime)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         try:
