@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fish_sm.engine import Engine, generate
-from fish_sm.engine.generate import decode_frame, length_buckets, noise_size, prefill_buckets
+from fish_sm.engine.generate import decode_frame, length_buckets, prefill_buckets
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
