@@ -7,12 +7,14 @@ that naming (plus the fish-sm/NAME/ alarm prefix and the endpoint's scalable tar
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from fish_sm.aws import AWSError
+from fish_sm.aws.package import read_tarball_manifest
 from fish_sm.aws.s3 import S3Uri, head_object
 from fish_sm.aws.session import AWS, error_code, is_not_found
 from fish_sm.errors import InputError
@@ -30,6 +32,8 @@ DOWNLOAD_TIMEOUT_S = 1800
 # TorchServe (stock container) limits: long texts give long audio, and compiles are slow.
 TS_TIMEOUT_S = 900
 TS_MAX_BYTES = 100 * 1024 * 1024
+# The container serves only a package whose manifest.json has this sha256 (fish_sm.serving.trust).
+MANIFEST_ENV = "FISH_SM_MANIFEST_SHA256"
 
 _NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
 _STAMP_LEN = 17  # YYYYmmddHHMMSS + milliseconds
@@ -418,8 +422,9 @@ class DeployResult:
     endpoint: dict | None = None  # the final describe_endpoint when waited
 
 
-def _check_model_data(aws: AWS, uri: S3Uri, log: Log) -> None:
-    """Fail early on a missing model.tar.gz; a permission error is left to SageMaker's role."""
+def _check_model_data(aws: AWS, uri: S3Uri, log: Log) -> bool:
+    """Fail early on a missing model.tar.gz; a permission error is left to SageMaker's role
+    (False: the object cannot be read from here)."""
     try:
         if head_object(aws, uri) is None:
             raise AWSError(f"--model-data {uri} does not exist")
@@ -428,8 +433,23 @@ def _check_model_data(aws: AWS, uri: S3Uri, log: Log) -> None:
     except Exception as exc:
         if error_code(exc) in ("403", "AccessDenied", "Forbidden"):
             log(f"note: cannot read {uri} with your credentials; SageMaker will use the role's")
-            return
+            return False
         raise
+    return True
+
+
+def pinned_manifest(aws: AWS, uri: S3Uri, readable: bool, log: Log) -> dict[str, str]:
+    """{FISH_SM_MANIFEST_SHA256: sha256 of the tarball's manifest.json}, so the container serves
+    only this package; empty (with a note) when the manifest cannot be read from here."""
+    manifest = read_tarball_manifest(aws, uri) if readable else None
+    if manifest is None:
+        why = "it cannot be read with your credentials" if not readable else \
+            "it does not start with manifest.json (not made by `fish-sm package`)"
+        log(f"note: the package's manifest cannot be pinned ({MANIFEST_ENV} not set): {why}")
+        return {}
+    digest = hashlib.sha256(manifest).hexdigest()
+    log(f"pinned the package's manifest.json: {MANIFEST_ENV}={digest}")
+    return {MANIFEST_ENV: digest}
 
 
 def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 15.0,
@@ -451,8 +471,11 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
         image = stock_image_uri(aws.region_name, req.instance_type)
     else:
         image = req.image
-    env = container_environment(req.env, stock_container=req.stock_container, instance_type=req.instance_type, log=log)
-    _check_model_data(aws, req.model_data, log)
+    readable = _check_model_data(aws, req.model_data, log)
+    # The user's --env FISH_SM_MANIFEST_SHA256 wins, as every --env does.
+    pinned = {} if MANIFEST_ENV in req.env else pinned_manifest(aws, req.model_data, readable, log)
+    env = container_environment({**pinned, **req.env}, stock_container=req.stock_container,
+                                instance_type=req.instance_type, log=log)
 
     stamp = new_stamp()
     model_name = config_name = f"{req.name}-{stamp}"

@@ -4,7 +4,8 @@ The same directory always gives the same bytes (sorted entries, fixed mtime/uid/
 names and modes, gzip header without a name or time), so the sha256 of model.tar.gz
 identifies a model build and re-packaging an unchanged model is a no-op for S3 caches and
 for SageMaker's model download. (Byte identity holds for one zlib build; another zlib may
-choose other, equally valid, deflate streams.)
+choose other, equally valid, deflate streams.) manifest.json is the first entry, so
+`deploy` reads it from the object's first bytes to pin it, without downloading the weights.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import re
 import stat
 import sys
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from fish_sm.aws.s3 import DEFAULT_PART_SIZE, S3Uri, byte_progress, upload_file
+from fish_sm.aws.s3 import DEFAULT_PART_SIZE, S3Uri, byte_progress, read_range, upload_file
 from fish_sm.aws.session import AWS
 from fish_sm.errors import InputError
 
@@ -29,6 +31,9 @@ FIXED_MTIME = 0
 _COPY_CHUNK = 4 * 1024 * 1024
 _VOICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".m4a", ".opus", ".aiff", ".aif"}
+MANIFEST = "manifest.json"
+MANIFEST_RANGE = 64 * 1024  # bytes of model.tar.gz read first: a compressed manifest is a few KB
+MANIFEST_LIMIT = 4 * 1024 * 1024  # bytes read (and manifest bytes) beyond which it is not a fish-sm manifest
 
 
 @dataclass(frozen=True)
@@ -40,13 +45,17 @@ class Tarball:
 
 
 def _entries(src: Path) -> list[Path]:
-    """Every directory and file under src (links followed, loops skipped), in byte order of path."""
+    """Every directory and file under src (links inside it followed, loops refused), manifest.json
+    first and the rest in byte order of path."""
     out: list[Path] = []
-    seen = {src.resolve()}
+    root = src.resolve()
+    seen = {root}
 
     def walk(d: Path, rel: Path | None) -> None:
         for child in d.iterdir():
             r = rel / child.name if rel else Path(child.name)
+            if child.is_symlink() and not child.resolve().is_relative_to(root):
+                raise InputError(f"cannot archive {child}: a symlink to {child.resolve()}, outside {src}")
             out.append(r)
             if child.is_dir():
                 real = child.resolve()
@@ -56,11 +65,11 @@ def _entries(src: Path) -> list[Path]:
                 walk(child, r)
 
     walk(src, None)
-    return sorted(out, key=lambda p: p.as_posix().encode())
+    return sorted(out, key=lambda p: (p.as_posix() != MANIFEST, p.as_posix().encode()))
 
 
 def _tarinfo(rel: Path, full: Path) -> tarfile.TarInfo:
-    st = full.stat()  # follows symlinks: the archive holds contents, never links
+    st = full.stat()  # follows links (_entries lets through only those inside src): the archive holds contents
     info = tarfile.TarInfo(rel.as_posix())
     info.mtime = FIXED_MTIME
     info.uid = info.gid = 0
@@ -126,6 +135,48 @@ def make_tarball(src: Path, out: Path, *, compresslevel: int = 1, progress: bool
         if tmp.exists():
             tmp.unlink()
     return Tarball(out, writer.size, writer.sha.hexdigest(), sum(1 for i, _ in infos if i.isfile()))
+
+
+def read_tarball_manifest(aws: AWS, uri: S3Uri) -> bytes | None:
+    """The manifest.json at the start of an S3 model.tar.gz, read with ranged GETs and decompressed
+    as it comes; None when the object is not a tarball whose first entry is manifest.json."""
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing
+    tar = bytearray()
+    offset, length = 0, MANIFEST_RANGE
+    while offset < MANIFEST_LIMIT:
+        chunk, total = read_range(aws, uri, offset, length)
+        if not chunk:
+            return None
+        offset += len(chunk)
+        try:  # max_length: a small, highly compressed object cannot expand past the limit in memory
+            tar += inflate.decompress(chunk, MANIFEST_LIMIT + 512 + 1 - len(tar))
+        except zlib.error:
+            return None
+        found = _first_entry(tar)
+        if found is not _MORE:
+            return found
+        if offset >= total or inflate.eof or len(tar) > MANIFEST_LIMIT + 512:
+            return None
+        length *= 2
+    return None
+
+
+_MORE = object()  # the first entry is not complete in the bytes so far
+
+
+def _first_entry(tar: bytearray):
+    """manifest.json's bytes if the tar data starts with it as a plain file; None if it starts
+    with anything else; _MORE while the header or the file is incomplete."""
+    if len(tar) < tarfile.BLOCKSIZE:
+        return _MORE
+    try:
+        info = tarfile.TarInfo.frombuf(bytes(tar[: tarfile.BLOCKSIZE]), "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return None
+    if info.name != MANIFEST or not info.isreg() or info.size > MANIFEST_LIMIT:
+        return None
+    end = tarfile.BLOCKSIZE + info.size
+    return bytes(tar[tarfile.BLOCKSIZE:end]) if len(tar) >= end else _MORE
 
 
 class _ProgressReader:

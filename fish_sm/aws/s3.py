@@ -1,4 +1,4 @@
-"""S3 URIs, and uploads/downloads with a progress bar.
+"""S3 URIs, uploads/downloads with a progress bar, and ranged reads of an object's start.
 
 A packaged S1-mini checkpoint is several GB, so uploads are multipart (boto3's transfer
 manager, parts in parallel) and show bytes sent; small objects (requests, results) go
@@ -140,6 +140,21 @@ def check_bucket(aws: AWS, uri: S3Uri) -> None:
         if code in ("403", "AccessDenied", "Forbidden"):
             raise AWSError(f"no access to bucket {uri.bucket!r} of {uri} with these credentials") from None
         raise
+
+
+def read_range(aws: AWS, uri: S3Uri, start: int, length: int) -> tuple[bytes, int]:
+    """Up to `length` bytes of an object from `start` (a ranged GET), and the object's size."""
+    try:
+        obj = aws.s3.get_object(Bucket=uri.bucket, Key=uri.key, Range=f"bytes={start}-{start + length - 1}")
+    except Exception as exc:
+        if error_code(exc) == "InvalidRange":  # start is at or past the end
+            return b"", start
+        raise
+    with contextlib.closing(obj["Body"]) as body:
+        m = re.fullmatch(r"bytes \d+-\d+/(\d+)", obj.get("ContentRange") or "")
+        if m is None:  # a server that ignores Range sends the whole object: read no further than asked
+            return body.read(start + length)[start:], obj["ContentLength"]
+        return body.read(length), int(m.group(1))
 
 
 def put_bytes(aws: AWS, uri: S3Uri, data: bytes, content_type: str = "application/octet-stream") -> None:

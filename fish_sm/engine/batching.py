@@ -63,6 +63,10 @@ class Overloaded(FishSMError):
         self.retry_after_s = retry_after_s
 
 
+class EngineStopped(FishSMError):
+    """The engine no longer serves: it was stopped, or one of its threads failed."""
+
+
 @dataclass(frozen=True)
 class Job:
     """One request for the batching engine."""
@@ -74,8 +78,9 @@ class Job:
     stream: bool = False  # audio in pieces as frames are decoded (see codec_stream), else the whole at the end
 
 
-# What a ticket's sink receives, in this order: ("audio", float32 samples) any number of
-# times (once, when not streaming), then ("done", Synthesis without audio) or ("error", exc).
+# What a ticket's sink receives, in this order: ("admitted", None) when it leaves the queue
+# for a slot, ("audio", float32 samples) any number of times (once, when not streaming), then
+# ("done", Synthesis without audio) or ("error", exc); an error may also come first.
 Event = tuple[str, object]
 
 
@@ -86,6 +91,7 @@ class Ticket:
     def __init__(self, job: Job, sink: Callable[[Event], None] | None = None):
         self.job = job
         self.cancelled = False
+        self.bounded = True  # counts against the engine's max_queue while it waits
         self.submitted = time.perf_counter()
         self.timings: dict[str, float] = {}
         self._queue: queue.SimpleQueue | None = None
@@ -117,7 +123,7 @@ class Ticket:
                 raise payload
             if kind == "audio":
                 pieces.append(payload)
-            else:
+            elif kind == "done":
                 summary = payload
         summary.audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
         return summary
@@ -203,6 +209,7 @@ class BatchEngine:
         self._lock = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what stopped the engine thread, if it failed
         self._decoded: list[tuple[Ticket, np.ndarray]] = []  # checked frames not yet handed to the codec
         self.steps = 0
         # The decode loop's CUDA stream, of high priority: the codec's large kernels (on a
@@ -319,14 +326,19 @@ class BatchEngine:
 
     # -- the public side ---------------------------------------------------------------
 
-    def submit(self, job: Job, sink: Callable[[Event], None] | None = None) -> Ticket:
-        """Queue a job; raises `Overloaded` at once when no slot and no queue place is free."""
+    def submit(self, job: Job, sink: Callable[[Event], None] | None = None, bounded: bool = True) -> Ticket:
+        """Queue a job; raises `Overloaded` at once when no slot and no queue place is free.
+        `bounded=False` queues it beyond `max_queue`, for a caller that keeps at most one job
+        waiting at a time (the lines of a JSON Lines body): it never takes another client's place."""
         check_text(job.text, job.chunk_length)
         ticket = Ticket(job, sink)
+        ticket.bounded = bounded
         with self._lock:
-            if not self._running:
-                raise FishSMError("the batching engine is not running")
-            if len(self._waiting) >= self.slots - len(self._active) + self.max_queue:
+            if not self.alive():
+                raise EngineStopped("the batching engine is not running" if self.failure is None else
+                                    f"the batching engine stopped after an internal error ({type(self.failure).__name__})")
+            waiting = sum(t.bounded for t in self._waiting)
+            if bounded and waiting >= self.slots - len(self._active) + self.max_queue:
                 raise Overloaded(f"all {self.slots} slots are busy and {self.max_queue} requests wait already",
                                  retry_after_s=1)
             self._waiting.append(ticket)
@@ -334,7 +346,9 @@ class BatchEngine:
         return ticket
 
     def alive(self) -> bool:
-        return self._running and self._thread is not None and self._thread.is_alive()
+        """Both threads running: false for good once either has failed."""
+        return (self._running and self._thread is not None and self._thread.is_alive() and self._codec.alive()
+                and self.failure is None)
 
     def load(self) -> dict:
         with self._lock:
@@ -344,6 +358,28 @@ class BatchEngine:
     # -- the engine thread -----------------------------------------------------------------
 
     def _loop(self) -> None:
+        """The engine thread. Whatever escapes the loop (a bug, not a request's problem) stops
+        the engine: every request it holds fails and `alive()` turns false, so the server
+        reports unhealthy and the platform replaces it, rather than hanging on requests."""
+        try:
+            self._serve()
+        except BaseException as exc:  # logged here; the thread then ends quietly
+            logger.exception("the batching engine failed; it serves no more requests")
+            self._stop_serving(exc)
+
+    def _stop_serving(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failure, self._running = exc, False
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            self._lock.notify_all()
+        error = EngineStopped(f"the batching engine stopped after an internal error ({type(exc).__name__})")
+        for request in list(self._active):
+            request.ticket.emit("error", error)
+        self._active.clear()
+        for ticket in waiting:
+            ticket.emit("error", error)
+
+    def _serve(self) -> None:
         pending: list[tuple[_Request, int, int, int, HostCopy]] = []  # (request, chunk, frame index, row, copy)
         on_stream = torch.cuda.stream(self.decode_stream) if self.decode_stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), on_stream:
@@ -353,7 +389,11 @@ class BatchEngine:
                         self._lock.wait()
                     if not self._running:
                         break
-                    arrivals = self._take_waiting()
+                    if not self._codec.alive():
+                        raise EngineStopped("the codec worker has stopped")
+                    arrivals, refused = self._take_waiting()
+                for ticket, exc in refused:
+                    ticket.emit("error", exc)
                 try:
                     for request in arrivals:
                         self._admit(request)
@@ -374,21 +414,27 @@ class BatchEngine:
         for ticket in self._waiting:
             ticket.emit("error", FishSMError("the server is shutting down"))
 
-    def _take_waiting(self) -> list[_Request]:
-        """Waiting tickets moved into free slots (under the lock)."""
-        taken = []
+    def _take_waiting(self) -> tuple[list[_Request], list[tuple[Ticket, Exception]]]:
+        """Waiting tickets moved into free slots (under the lock), and those whose own
+        text or parameters could not be set up, with why: they fail alone."""
+        taken, refused = [], []
         while self._waiting and len(self._active) < self.slots:
             ticket = self._waiting.popleft()
             if ticket.cancelled:
                 continue
-            request = _Request(ticket, split_text(ticket.job.text, ticket.job.chunk_length),
-                               request_generator(self.device, ticket.job.params.seed), slot=len(self._active))
+            try:
+                request = _Request(ticket, split_text(ticket.job.text, ticket.job.chunk_length),
+                                   request_generator(self.device, ticket.job.params.seed), slot=len(self._active))
+            except Exception as exc:
+                refused.append((ticket, exc))
+                continue
             self._active.append(request)
             taken.append(request)
-        return taken
+        return taken, refused
 
     def _admit(self, request: _Request) -> None:
         request.ticket.timings["queue"] = time.perf_counter() - request.ticket.submitted
+        request.ticket.emit("admitted", None)
         p = request.params
         self.sampling[:, request.slot] = to_device(torch.stack(p.tensors("cpu")).view(3, 1), self.device)
 
@@ -667,6 +713,7 @@ class CodecWorker:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, _Audio] = {}  # id(ticket) -> its codec state, frames and audio so far
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what stopped the codec thread, if it failed
         self._cuda = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
         # Pieces of streams with audio to spare wait up to `hold_s` for more of their length, so
         # the codec decodes fewer, larger batches beside the decode loop (0: never wait).
@@ -698,7 +745,23 @@ class CodecWorker:
     def cancel(self, ticket: Ticket) -> None:
         self._queue.put([("cancel", ticket, None)])
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
     def _run(self) -> None:
+        """The codec thread; an error it cannot pin on a batch stops it (and, through
+        `alive()`, the engine), failing the requests whose audio it held."""
+        try:
+            self._serve()
+        except BaseException as exc:  # logged here; the thread then ends quietly
+            logger.exception("the codec worker failed; it decodes no more audio")
+            self.failure = exc
+            error = EngineStopped(f"the codec worker stopped after an internal error ({type(exc).__name__})")
+            for entry in list(self._streams.values()):
+                entry.ticket.emit("error", error)
+            self._streams.clear()
+
+    def _serve(self) -> None:
         with torch.inference_mode(), self._on_stream():
             running = True
             while running:

@@ -19,6 +19,7 @@ from fish_sm.errors import InputError
 
 # Upstream's repetition-penalty window, in frames.
 PENALTY_WINDOW = 16
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest
 
 
 def _bf16(x: float) -> float:
@@ -43,8 +44,9 @@ class SamplingParams:
                 raise InputError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InputError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise InputError(f"seed must be an integer in [0, 2^64 - 1], got {str(self.seed)[:40]}")
 
     def tensors(self, device) -> tuple[Tensor, Tensor, Tensor]:
         """(temperature, top_p, repetition_penalty) as float32 scalars holding bf16-rounded values."""

@@ -8,31 +8,33 @@ settings as the handler (`request.parse_body`, `handler.resolve_reference`,
 `"stream": true` — as chunked audio while it is generated: a WAV header of open length
 then 16-bit PCM, or bare PCM for `Accept: audio/pcm`. That is what SageMaker's
 `InvokeEndpointWithResponseStream` relays. A full server answers 503 with `Retry-After`
-at once; a client that goes away frees its slot at the next step.
+at once; a client that goes away frees its slot at the next step. The lines of a JSON Lines
+body go to the engine one at a time, each once the one before has a slot, so a long body
+never crowds other clients out of the queue. An engine whose thread failed fails the
+requests it held and turns `/ping` unhealthy for good: the platform replaces the instance.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
 from pathlib import Path
 
-import numpy as np
 from aiohttp import web
 
-from fish_sm.engine.batching import BatchEngine, Job, Overloaded
+from fish_sm.engine.batching import BatchEngine, EngineStopped, Job, Overloaded
 from fish_sm.engine.engine import freeze_start_up_objects
 from fish_sm.engine.sampling import SamplingParams
 from fish_sm.errors import InputError
 from fish_sm.serving import audio as audio_out
-from fish_sm.serving.errors import HTTPError, bad_request, engine_error
+from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
 from fish_sm.serving.handler import Prediction, ServingModel, WARMUP_TEXT, load_model, output_fn, resolve_reference
+from fish_sm.serving.http import application, error_response, listening, read_body
 from fish_sm.serving.request import (AUDIO_TYPES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type, parse_body,
                                       response_format)
-from fish_sm.serving.server import PAYLOAD_LIMIT, ServerConfig, check_model_dir
+from fish_sm.serving.server import ServerConfig, check_model_dir
 from fish_sm.serving.settings import Settings
 
 logger = logging.getLogger("fish_sm.serving")
@@ -137,22 +139,21 @@ class BatchingApp:
         try:
             accept = request.headers.get("Accept")
             check_accept(accept)
-            body = await request.read()
+            body = await read_body(request)
             content_type = request.headers.get("Content-Type")
-            requests = parse_body(body, content_type, self.settings)
-            worker = min(self.workers, key=Worker.busy)
+            # Off the event loop: a large body takes a while to decode, and /ping must not wait.
+            requests = await asyncio.get_running_loop().run_in_executor(None, parse_body, body, content_type,
+                                                                         self.settings)
+            worker = self._least_busy()
             if requests[0].stream:
                 return await self._stream(request, worker, requests[0], accept)
             jsonlines = media_type(content_type) in JSONLINES_ALIASES
-            if not jsonlines:
+            if jsonlines:
+                results = await self._lines(request, worker, requests)
+            else:
                 response_format(accept, requests[0])  # a contradicting Accept fails before any work
-            try:  # JSON Lines: all lines at once; if one fails, the others are cancelled
-                async with asyncio.TaskGroup() as group:
-                    tasks = [group.create_task(self._whole(request, worker, r, wait_for_slot=jsonlines)) for r in requests]
-            except* HTTPError as errors:
-                raise errors.exceptions[0] from None
-            results = [t.result() for t in tasks]
-            payload, kind = output_fn(Prediction(list(results), requests, jsonlines), accept)
+                results = [await self._whole(request, worker, requests[0])]
+            payload, kind = output_fn(Prediction(results, requests, jsonlines), accept)
             return web.Response(body=payload, content_type=kind.split(";")[0])
         except HTTPError as exc:
             return _error(exc)
@@ -162,45 +163,79 @@ class BatchingApp:
             logger.exception("request failed")
             return _error(HTTPError(500, "internal error; see the server log"))
 
+    def _least_busy(self) -> Worker:
+        alive = [w for w in self.workers if w.alive()]
+        if not alive:
+            raise HTTPError(503, "the engine has stopped after an internal error; this instance is unhealthy")
+        return min(alive, key=Worker.busy)
+
     async def _submit(self, request: web.Request, worker: Worker, tts: TTSRequest, stream: bool,
-                      wait_for_slot: bool = False):
+                      bounded: bool = True):
         """Resolve the voice (encoding a zero-shot recording off the event loop), submit,
         and return the ticket and the queue its events arrive on. A full engine is a 503,
-        except for the lines of an accepted JSON Lines request (a Batch Transform payload
-        may hold more lines than there are slots): those wait for room while the client stays."""
+        except for the lines of an accepted JSON Lines request (`bounded=False`: see `_lines`)."""
         loop = asyncio.get_running_loop()
         reference = await loop.run_in_executor(None, resolve_reference, worker.model, tts)
         job = Job(tts.text, references=(reference,) if reference is not None else (), chunk_length=tts.chunk_length,
                   params=tts.sampling, stream=stream)
         events: asyncio.Queue = asyncio.Queue()
-        while True:
-            try:
-                ticket = worker.batcher.submit(job, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-                return ticket, events
-            except Overloaded as exc:
-                if not wait_for_slot:
-                    raise Busy(str(exc), exc.retry_after_s) from None
-            except InputError as exc:
-                raise bad_request(str(exc)) from None
-            _check_client(request)
-            await asyncio.sleep(0.05)
+        try:
+            ticket = worker.batcher.submit(job, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                                           bounded=bounded)
+        except Overloaded as exc:
+            raise Busy(str(exc), exc.retry_after_s) from None
+        except InputError as exc:
+            raise bad_request(str(exc)) from None
+        except EngineStopped as exc:
+            raise HTTPError(503, str(exc)) from None
+        return ticket, events
 
-    async def _whole(self, request: web.Request, worker: Worker, tts: TTSRequest, wait_for_slot: bool = False):
-        ticket, events = await self._submit(request, worker, tts, stream=False, wait_for_slot=wait_for_slot)
+    async def _whole(self, request: web.Request, worker: Worker, tts: TTSRequest, bounded: bool = True,
+                     admitted: asyncio.Future | None = None):
+        """One whole utterance; `admitted` is resolved once it leaves the queue for a slot."""
+        ticket, events = await self._submit(request, worker, tts, stream=False, bounded=bounded)
         pieces = []
         try:
             while True:
-                kind, payload = await _next_event(request, events)
-                if kind == "audio":
+                kind, payload = await _next_event(request, events, worker)
+                if kind == "admitted":
+                    if admitted is not None and not admitted.done():
+                        admitted.set_result(None)
+                elif kind == "audio":
                     pieces.append(payload)
                 elif kind == "error":
                     raise engine_error(payload)
+                elif not pieces or not len(pieces[0]):
+                    raise NoAudio()
                 else:
-                    payload.audio = pieces[0] if pieces else np.zeros(0, np.float32)
+                    payload.audio = pieces[0]
                     return payload
         finally:
             ticket.cancel()  # no-op once done; frees the slot if the client left
             _log_request(request, ticket, None)
+
+    async def _lines(self, request: web.Request, worker: Worker, requests: list[TTSRequest]) -> list:
+        """The lines of a JSON Lines body, each submitted once the one before it has a slot: the
+        body waits in the queue with one line at a time, beside the places other clients may
+        take, and their requests are admitted between its lines. A line without audio answers
+        with its own error; any other failure fails them all."""
+        loop = asyncio.get_running_loop()
+        tasks = []
+        try:
+            async with asyncio.TaskGroup() as group:
+                for tts in requests:
+                    admitted = loop.create_future()
+                    tasks.append(group.create_task(self._line(request, worker, tts, admitted)))
+                    await asyncio.wait([admitted, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
+        except BaseExceptionGroup as errors:
+            raise errors.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    async def _line(self, request: web.Request, worker: Worker, tts: TTSRequest, admitted: asyncio.Future):
+        try:
+            return await self._whole(request, worker, tts, bounded=False, admitted=admitted)
+        except NoAudio as exc:
+            return exc
 
     async def _stream(self, request: web.Request, worker: Worker, tts: TTSRequest, accept: str | None):
         kind, fmt = response_format(accept, tts)
@@ -211,7 +246,11 @@ class BatchingApp:
         response, first_byte = None, None
         try:
             while True:
-                event, payload = await _next_event(request, events)
+                event, payload = await _next_event(request, events, worker)
+                if event == "admitted" or (event == "audio" and not len(payload)):
+                    continue
+                if event == "done" and response is None:
+                    raise NoAudio()
                 if event == "error":
                     if response is None:
                         raise engine_error(payload)
@@ -243,13 +282,16 @@ class Busy(HTTPError):
         self.retry_after_s = retry_after_s
 
 
-async def _next_event(request: web.Request, events: asyncio.Queue):
-    """The next engine event, or ConnectionResetError as soon as the client has gone."""
+async def _next_event(request: web.Request, events: asyncio.Queue, worker: Worker):
+    """The next engine event; ConnectionResetError as soon as the client has gone, 503 if
+    the engine stopped without answering."""
     while True:
         try:
             return await asyncio.wait_for(events.get(), timeout=0.5)
         except asyncio.TimeoutError:
             _check_client(request)
+            if not worker.alive() and events.empty():
+                raise HTTPError(503, "the engine stopped after an internal error; this instance is unhealthy") from None
 
 
 def _check_client(request: web.Request) -> None:
@@ -277,13 +319,13 @@ def _log_request(request: web.Request, ticket, first_byte: float | None) -> None
 
 def _error(exc: HTTPError) -> web.Response:
     headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Busy) else None
-    return web.Response(status=exc.status, body=json.dumps({"error": exc.message}), content_type="application/json",
-                        headers=headers)
+    # A body not read to its end (too slow, too large) leaves the connection unusable.
+    return error_response(exc.status, exc.message, headers=headers, close=exc.status in (408, 413))
 
 
 def make_app(model_dir: Path, settings: Settings) -> web.Application:
     server = BatchingApp(model_dir, settings)
-    app = web.Application(client_max_size=PAYLOAD_LIMIT)
+    app = application(settings.http_limits())
     app.router.add_get("/ping", server.ping)
     app.router.add_post("/invocations", server.invocations)
     app.on_startup.append(server.start)
@@ -303,14 +345,9 @@ def serve(cfg: ServerConfig) -> int:
 
 
 async def _run(app: web.Application, cfg: ServerConfig) -> None:
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, cfg.host, cfg.port).start()
-    stop = app["server"].stopping
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    async with listening(app, cfg.host, cfg.port, handler_cancellation=True):
+        stop = app["server"].stopping
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-    finally:
-        await runner.cleanup()

@@ -5,6 +5,8 @@ a start that finds a matching packaged copy skips code generation and autotuning
 packaged copy is read-only on SageMaker, so it is copied to a writable directory first,
 and what the warm-up adds is kept there. `cache.json` records what the kernels were built
 for; a cache for another GPU architecture or torch version is reported and ignored.
+Inductor unpickles cache entries, so the packaged copy is used only from a package whose
+files were verified against its manifest (`fish_sm.serving.trust`).
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def mismatch(found: dict, wanted: dict) -> list[str]:
 
 
 class CompileCache:
-    def __init__(self, packaged: Path, writable: Path):
+    def __init__(self, packaged: Path, writable: Path, *, verified: bool):
         self.packaged, self.writable = packaged, writable
+        self.verified = verified  # the package's files matched its manifest.json
         self.status = "not used"
         self.info: dict = {}
 
@@ -51,7 +54,11 @@ class CompileCache:
         self.info = build_info(device)
         self.writable.mkdir(parents=True, exist_ok=True)
         meta = self.packaged / META
-        if meta.is_file():
+        if not self.verified and os.path.lexists(self.packaged):
+            self.status = (f"packaged cache not used: {self.packaged} is not in a verified package "
+                           "(no manifest.json), and torch unpickles its entries")
+            logger.warning(self.status)
+        elif meta.is_file():
             found = json.loads(meta.read_text())
             problems = mismatch(found, self.info)
             if problems:

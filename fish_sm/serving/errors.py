@@ -28,6 +28,13 @@ def bad_request(message: str) -> HTTPError:
     return HTTPError(400, message)
 
 
+class NoAudio(HTTPError):
+    """A synthesis that ended before its first frame: nothing to answer with but an error."""
+
+    def __init__(self):
+        super().__init__(422, "the model ended the utterance before any audio; try another seed, or rephrase the text")
+
+
 def engine_error(exc: Exception) -> HTTPError:
     """The answer to a synthesis that failed: the request's own fault (400), the GPU's memory
     (503: this request only; a retry or a shorter one may fit), the engine's state (503), or ours (500)."""
@@ -50,7 +57,10 @@ def engine_error(exc: Exception) -> HTTPError:
 _PHRASES = {
     400: "Bad Request",
     403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
     406: "Not Acceptable",
+    408: "Request Timeout",
     413: "Payload Too Large",
     415: "Unsupported Media Type",
     422: "Unprocessable Entity",

@@ -3,24 +3,42 @@
 The multi-model server answers `/ping` with 200 as soon as it listens, while its workers
 are still loading, compiling and warming up (and whatever a worker's state, it never
 answers anything else). SageMaker would route traffic to a container that cannot serve
-it yet. So the public port is served here (aiohttp): `/ping` is 200 only once every
-worker has finished `model_fn` — each one leaves a marker file with its pid — and at
-least one is still alive afterwards; everything else is streamed through to the model
-server on a private port, bodies unbuffered.
+it yet. So the public port is served here (aiohttp, with `http`'s guards): `GET /ping` is
+200 only once every worker has finished `model_fn` — each one leaves a marker file with
+its pid — and at least one is still alive afterwards.
+
+`POST /invocations` is the one request passed on; any other path is a 404 and any other
+method a 405, so nothing reaches the rest of the model server's API. A request's body is
+read whole here, within the body timeout and the size limit, before a connection to the
+model server is taken from a bounded pool: a client that stalls its upload holds none.
+The response is streamed back as it comes, and the model server's own errors (its
+`{"code", "type", "message"}` objects, or plain text) become our `{"error": message}`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+from http import HTTPStatus
 from pathlib import Path
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, ConnectionTimeoutError, TCPConnector, web
+
+from fish_sm.serving.errors import HTTPError
+from fish_sm.serving.http import Limits, application, error_response, read_body
+from fish_sm.serving.request import JSON, JSONLINES_ALIASES, media_type
+
+logger = logging.getLogger("fish_sm.serving")
 
 READY_DIR_ENV = "FISH_SM_READY_DIR"  # also a Settings field, so the strict settings parser knows it
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authorization",
                 "proxy-authenticate", "host", "content-length"}
+# The body is forwarded as read here: already decoded by aiohttp, and with no 100-continue to wait for.
+_NOT_FORWARDED = _HOP_HEADERS | {"content-encoding", "expect"}
+CONNECTION_WAIT = 5.0  # seconds a request waits for a free connection to the model server before a 503
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of a model server error read to find its message
 
 
 def mark_ready() -> None:
@@ -44,10 +62,19 @@ def live_ready_workers(ready_dir: Path) -> int:
     return n
 
 
+def is_utf8_text(content_type: str | None) -> bool:
+    """The content types whose bodies the toolkit and our handler decode as UTF-8."""
+    kind = media_type(content_type)
+    return kind.startswith("text/") or kind == JSON or kind.endswith("+json") or kind in JSONLINES_ALIASES
+
+
 class Front:
-    def __init__(self, backend: str, ready_dir: Path, workers: int, timeout: float):
-        self.backend, self.ready_dir, self.workers = backend.rstrip("/"), ready_dir, workers
-        self.timeout = ClientTimeout(total=timeout, sock_connect=10)
+    def __init__(self, backend: str, ready_dir: Path, workers: int, timeout: float, *, connections: int,
+                 connection_wait: float = CONNECTION_WAIT):
+        self.invocations_url = backend.rstrip("/") + "/invocations"
+        self.ready_dir, self.workers, self.connections = ready_dir, workers, connections
+        # `connect` covers waiting for a free pooled connection as well as opening one.
+        self.timeout = ClientTimeout(total=timeout, connect=connection_wait, sock_read=timeout)
         self.started = False  # every worker has been ready once
         self.session: ClientSession | None = None
 
@@ -62,43 +89,85 @@ class Front:
             return web.json_response({"status": "Healthy"})
         return web.json_response({"status": "Loading" if not self.started else "Unhealthy"}, status=503)
 
-    async def proxy(self, request: web.Request) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
         try:
-            async with self.session.request(request.method, self.backend + request.rel_url.path_qs, headers=headers,
-                                            data=request.content if request.can_read_body else None,
-                                            timeout=self.timeout) as upstream:
-                response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-                for k, v in upstream.headers.items():
-                    if k.lower() not in _HOP_HEADERS:
-                        response.headers[k] = v
-                if upstream.content_length is not None:
-                    response.content_length = upstream.content_length
-                await response.prepare(request)
-                async for chunk in upstream.content.iter_chunked(1 << 16):
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
+            body = await read_body(request)
+        except HTTPError as exc:
+            return error_response(exc.status, exc.message, close=True)
+        if is_utf8_text(request.content_type):
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError:
+                return error_response(400, "the request body is not UTF-8 text")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        try:
+            upstream = await self.session.post(self.invocations_url, data=body, headers=headers, timeout=self.timeout)
+        except ConnectionTimeoutError:
+            return error_response(503, "the model server is busy: no connection to it came free in time; retry")
         except asyncio.TimeoutError:
-            return _error(504, "the model server did not answer in time")
-        except OSError as exc:
-            return _error(503, f"the model server is not reachable ({type(exc).__name__})")
+            return error_response(504, "the model server did not answer in time")
+        except ClientError as exc:
+            return error_response(503, f"the model server is not reachable ({type(exc).__name__})")
+        async with upstream:
+            if upstream.status >= 400:
+                return await _json_error(upstream)
+            return await _relay(request, upstream)
 
     async def start(self, app: web.Application) -> None:
-        self.session = ClientSession(auto_decompress=False)
+        self.session = ClientSession(connector=TCPConnector(limit=self.connections, limit_per_host=self.connections),
+                                     auto_decompress=False,
+                                     skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"))
 
     async def stop(self, app: web.Application) -> None:
         await self.session.close()
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, body=json.dumps({"error": message}), content_type="application/json")
+async def _relay(request: web.Request, upstream: ClientResponse) -> web.StreamResponse:
+    """Stream the model server's answer through; a failure midway (its timeout, its connection
+    dropped) propagates, so aiohttp closes the client's connection on a visibly cut answer."""
+    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    for k, v in upstream.headers.items():
+        if k.lower() not in _HOP_HEADERS:
+            response.headers[k] = v
+    if upstream.content_length is not None:
+        response.content_length = upstream.content_length
+    await response.prepare(request)
+    async for chunk in upstream.content.iter_chunked(1 << 16):
+        await response.write(chunk)
+    await response.write_eof()
+    return response
 
 
-def make_app(front: Front, max_body: int) -> web.Application:
-    app = web.Application(client_max_size=max_body)
-    app.router.add_get("/ping", front.ping)
-    app.router.add_route("*", "/{tail:.*}", front.proxy)
+async def _json_error(upstream: ClientResponse) -> web.Response:
+    """The model server's error with its status, in our shape; a message of one line."""
+    try:
+        raw = await upstream.content.read(ERROR_BODY_LIMIT)
+    except (ClientError, asyncio.TimeoutError):
+        raw = b""
+    message = error_message(raw) or upstream.reason or HTTPStatus(upstream.status).phrase
+    if upstream.status >= 500:
+        logger.warning("the model server answered %d: %s", upstream.status, message)
+    return error_response(upstream.status, message)
+
+
+def error_message(raw: bytes) -> str:
+    """Our handler's `{"error": ...}`, MMS's `{"message": ...}`, or the first line of plain text
+    (the toolkit's default error is the message, then a traceback); "" if there is none."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        text = raw.decode("utf-8", errors="replace")
+        return next((line.strip()[:1000] for line in text.splitlines() if line.strip()), "")
+    for key in ("error", "message"):
+        if isinstance(doc, dict) and isinstance(doc.get(key), str) and doc[key].strip():
+            return doc[key].strip().splitlines()[0][:1000]
+    return ""
+
+
+def make_app(front: Front, limits: Limits) -> web.Application:
+    app = application(limits)
+    app.router.add_get("/ping", front.ping, allow_head=False)
+    app.router.add_post("/invocations", front.invocations)
     app.on_startup.append(front.start)
     app.on_cleanup.append(front.stop)
     return app

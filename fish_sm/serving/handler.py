@@ -21,7 +21,7 @@ from fish_sm.engine.engine import freeze_start_up_objects
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.compile_cache import CompileCache
-from fish_sm.serving.errors import HTTPError, bad_request, engine_error
+from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
 from fish_sm.serving.request import (JSON, JSONLINES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type,
                                       parse_body, response_format)
 from fish_sm.serving.settings import Settings
@@ -88,8 +88,8 @@ def model_fn(model_dir, context=None) -> ServingModel:
 
 
 def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn"):
-    """The part of start-up both servers share: load, quantize, open the compile cache,
-    load the packaged voices. Returns the model, the cache (to save once compiled) and
+    """The part of start-up both servers share: verify the package, load, quantize, open the
+    compile cache, load the packaged voices. Returns the model, the cache (to save once compiled) and
     the timer that records each phase in `model.timings`."""
     logging.getLogger("fish_sm").setLevel(settings.log_level)
     timings: dict[str, float] = {}
@@ -101,7 +101,14 @@ def load_model(model_dir: Path, device: str, settings: Settings, batching: bool 
         logger.info("%s %s: %.2f s", label, name, timings[name])
         return out
 
-    cache = CompileCache(model_dir / "compile_cache", Path(settings.cache_dir) / device.replace(":", ""))
+    from fish_sm.serving.trust import verify_package
+
+    # Before anything in the directory is read: a tampered package stops here, naming the file.
+    verified = phase("verify", lambda: verify_package(model_dir, settings.manifest_sha256))
+    if not verified:
+        logger.info("%s has no manifest.json: a plain checkpoint directory, served unverified", model_dir)
+    cache = CompileCache(model_dir / "compile_cache", Path(settings.cache_dir) / device.replace(":", ""),
+                         verified=verified)
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(settings.dtype, "auto")
     engine = phase("load", lambda: Engine.from_pretrained(model_dir, device=device, dtype=dtype,
                                                           max_seq_len=settings.max_seq_len or None))
@@ -135,7 +142,15 @@ def input_fn(input_data, content_type, context=None) -> Batch:
 
 
 def predict_fn(data: Batch, model: ServingModel, context=None) -> Prediction:
-    results = [_synthesize(model, r) for r in data.requests]
+    """Synthesize every request; in JSON Lines, a line without audio answers with its own error."""
+    results = []
+    for request in data.requests:
+        try:
+            results.append(_synthesize(model, request))
+        except NoAudio as exc:
+            if not data.jsonlines:
+                raise
+            results.append(exc)
     return Prediction(results, data.requests, data.jsonlines)
 
 
@@ -144,14 +159,17 @@ def _synthesize(model: ServingModel, request: TTSRequest):
 
     reference = resolve_reference(model, request)
     try:
-        return model.engine.synthesize(request.text, reference=reference, chunk_length=request.chunk_length,
-                                       temperature=request.sampling.temperature, top_p=request.sampling.top_p,
-                                       repetition_penalty=request.sampling.repetition_penalty,
-                                       max_new_tokens=request.sampling.max_new_tokens, seed=request.sampling.seed)
+        result = model.engine.synthesize(request.text, reference=reference, chunk_length=request.chunk_length,
+                                         temperature=request.sampling.temperature, top_p=request.sampling.top_p,
+                                         repetition_penalty=request.sampling.repetition_penalty,
+                                         max_new_tokens=request.sampling.max_new_tokens, seed=request.sampling.seed)
     except (InputError, torch.cuda.OutOfMemoryError) as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()  # free what this request held, so the next one runs; fail only this one
         raise engine_error(exc) from None
+    if not len(result.audio):
+        raise NoAudio()
+    return result
 
 
 def resolve_reference(model: ServingModel, request: TTSRequest) -> Reference | None:
@@ -212,5 +230,7 @@ def output_fn(prediction: Prediction, accept, context=None) -> tuple[bytes, str]
 
 
 def _json(request: TTSRequest, result, fmt: str) -> bytes:
+    if isinstance(result, HTTPError):  # a JSON Lines line that failed on its own
+        return audio_out.json_bytes({"error": result.message, "status": result.status})
     body, rate = audio_out.encode_audio(result.audio, result.sample_rate, fmt, request.sample_rate)
     return audio_out.json_bytes(audio_out.json_document(body, fmt, rate, result))

@@ -80,6 +80,9 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
     from fish_sm.serving.voices import write_voice
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    for name in (*FILES, "model.safetensors", "codec.safetensors"):  # before any of them is read
+        _refuse_link_outside(checkpoint_dir / name, checkpoint_dir, "copy the files into the directory, e.g. with "
+                                                                    "`huggingface-cli download --local-dir DIR`")
     summary = validate_checkpoint(checkpoint_dir)
     for voice_id, (audio, _) in (voices or {}).items():
         if not Path(audio).is_file():
@@ -89,6 +92,8 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
         meta = Path(compile_cache) / META
         if not meta.is_file():
             raise InputError(f"{compile_cache}: not a compile cache (no {META}; point at FISH_SM_CACHE_DIR/<device> of a started server)")
+        for path in sorted(Path(compile_cache).rglob("*")):
+            _refuse_link_outside(path, Path(compile_cache), "point --compile-cache at a cache that holds its files")
         cache_info = json.loads(meta.read_text())
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in checkpoint_files(checkpoint_dir):
@@ -108,7 +113,7 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
         del engine
     if compile_cache is not None:
         shutil.copytree(compile_cache, out_dir / "compile_cache", dirs_exist_ok=True)
-    files = sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != "manifest.json")
+    files = sorted(p for p in out_dir.rglob("*") if p.is_file() and p != out_dir / "manifest.json")
     manifest = {
         "format": 1,
         "versions": {"fish_sm": fish_sm.__version__, "torch": torch.__version__},
@@ -119,6 +124,12 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def _refuse_link_outside(path: Path, directory: Path, advice: str) -> None:
+    """A package holds copies, never what links point at elsewhere: refuse a link that resolves outside `directory`."""
+    if path.is_symlink() and not path.resolve().is_relative_to(directory.resolve()):
+        raise InputError(f"{path} is a symlink to {path.resolve()}, outside {directory}; {advice}")
 
 
 __all__ = ["FILES", "build_package_dir", "validate_checkpoint", "checkpoint_files", "sha256"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -27,6 +28,11 @@ AUDIO_ALIASES = {"audio/x-wav": "wav", "audio/wave": "wav", "audio/vnd.wave": "w
 SAMPLE_RATES = (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000)
 CHUNK_LENGTH_RANGE = (50, 1000)
 _S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(.+)$")
+# A request holds short scalars: digits past these can only be an attack on the parser
+# (Python refuses to convert integers of over 4,300 digits, and big ones cost quadratic time).
+MAX_INT_DIGITS = 20  # 2**64 has 20
+MAX_FLOAT_CHARS = 32
+ECHO_CHARS = 40  # how much of a rejected value an error message repeats
 
 FIELDS = {"text", "voice", "reference", "format", "sample_rate", "temperature", "top_p", "repetition_penalty",
           "max_new_tokens", "seed", "chunk_length", "stream"}
@@ -60,7 +66,8 @@ def media_type(header: str | None) -> str:
 
 
 def parse_body(body: bytes | str, content_type: str | None, settings: Settings) -> list[TTSRequest]:
-    """Decode a request body into one or more validated requests (several for JSON Lines)."""
+    """Decode a request body into one or more validated requests (several for JSON Lines,
+    at most `settings.max_lines`)."""
     kind = media_type(content_type)
     if isinstance(body, (bytes, bytearray)):
         try:
@@ -75,6 +82,9 @@ def parse_body(body: bytes | str, content_type: str | None, settings: Settings) 
         lines = [(n, line) for n, line in enumerate(body.splitlines(), 1) if line.strip()]
         if not lines:
             raise bad_request("the JSON Lines body has no requests")
+        if len(lines) > settings.max_lines:
+            raise HTTPError(413, f"the JSON Lines body has {len(lines)} requests; the limit is {settings.max_lines} "
+                                 "(FISH_SM_MAX_LINES): split it")
         out = []
         for n, line in lines:
             try:
@@ -88,11 +98,45 @@ def parse_body(body: bytes | str, content_type: str | None, settings: Settings) 
     raise HTTPError(415, f"content type {content_type or '(none)'!r} is not supported; send one of {supported}")
 
 
+class _NumberTooLarge(ValueError):
+    pass
+
+
+def _int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise _NumberTooLarge(f"an integer of {len(digits.lstrip('-'))} digits")
+    return int(digits)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if len(text) > MAX_FLOAT_CHARS or not math.isfinite(value):
+        raise _NumberTooLarge(f"the number {text[:ECHO_CHARS]!r}")
+    return value
+
+
+def _constant(name: str):
+    raise _NumberTooLarge(f"{name}, which JSON does not allow")
+
+
 def _load_json(text: str, what: str):
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except json.JSONDecodeError as exc:
         raise bad_request(f"{what} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except _NumberTooLarge as exc:
+        raise bad_request(f"{what} holds {exc}; numbers in a request have at most {MAX_INT_DIGITS} digits") from None
+    except RecursionError:
+        raise bad_request(f"{what} is nested too deeply to be a request") from None
+
+
+def _echo(value) -> str:
+    """A rejected value as JSON, cut short: an error message never repeats a whole payload."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "..."
 
 
 def parse_fields(data, settings: Settings) -> TTSRequest:
@@ -151,10 +195,10 @@ def _optional(data: dict, name: str, kind: type):
         return float(value)
     if kind is bool:
         if not isinstance(value, bool):
-            raise bad_request(f"field {name!r} must be true or false, got {json.dumps(value)}")
+            raise bad_request(f"field {name!r} must be true or false, got {_echo(value)}")
         return value
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise bad_request(f"field {name!r} must be {'a number' if kind is float else 'an integer' if kind is int else 'a string'}, got {json.dumps(value)}")
+        raise bad_request(f"field {name!r} must be {'a number' if kind is float else 'an integer' if kind is int else 'a string'}, got {_echo(value)}")
     return value
 
 
@@ -174,11 +218,12 @@ def _reference(ref, settings: Settings) -> ReferenceAudio:
     if audio.startswith("s3://"):
         m = _S3_URI.match(audio)
         if not m:
-            raise bad_request(f"'reference.audio' is not a valid S3 URI: {audio!r}")
+            raise bad_request(f"'reference.audio' is not a valid S3 URI: {audio[:ECHO_CHARS]!r}")
         bucket, key = m.groups()
-        if bucket not in settings.allowed_buckets:
-            allowed = ", ".join(settings.allowed_buckets) or "none (set FISH_SM_ALLOWED_BUCKETS)"
-            raise HTTPError(403, f"references from bucket {bucket!r} are not allowed; allowed buckets: {allowed}")
+        if bucket not in settings.allowed_buckets:  # the allow-list itself is not a client's business
+            raise HTTPError(403, f"references from bucket {bucket!r} are not allowed on this endpoint")
+        if any(part in (".", "..") for part in key.split("/")):
+            raise bad_request("'reference.audio' S3 key has a '.' or '..' segment")
         return ReferenceAudio(text=text, s3_bucket=bucket, s3_key=key)
     if len(audio) > settings.max_reference_bytes * 4 // 3 + 4:
         raise HTTPError(413, f"reference audio is over the {settings.max_reference_bytes} byte limit")
@@ -189,15 +234,37 @@ def _reference(ref, settings: Settings) -> ReferenceAudio:
     return ReferenceAudio(text=text, audio=raw)
 
 
+def accepted_types(accept: str | None) -> list[str]:
+    """The media types of an Accept header, most preferred first (by q-value, then order);
+    those with q=0 are refused by the client, so they are left out. No header is `*/*`."""
+    ranked = []
+    for order, item in enumerate((accept or "*/*").split(",")):
+        kind, *params = item.split(";")
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = -1.0
+                if not 0.0 <= q <= 1.0:
+                    raise bad_request(f"Accept: q-value {value.strip()[:ECHO_CHARS]!r} is not a number in [0, 1]")
+        if q > 0:
+            ranked.append((-q, order, kind.strip().lower()))
+    return [kind for _, _, kind in sorted(ranked)]
+
+
 def response_format(accept: str | None, request: TTSRequest | None = None) -> tuple[str, str]:
     """(response media type, audio format) for an Accept header and a request's `format`.
 
-    No Accept (or */*) means: the request's `format`, else WAV. An audio Accept that
-    contradicts the request's `format` is an error rather than a silent choice.
+    The most preferred type we can write wins; `*/*` or `audio/*` means the request's `format`,
+    else WAV. An audio type that contradicts the request's `format` is passed over, and is an
+    error only if nothing else in the header is acceptable.
     """
     wanted = request.format if request else None
-    for item in (accept or "").split(","):
-        mt = media_type(item)
+    conflict = None
+    for mt in accepted_types(accept):
         if mt in ("", "*/*", "audio/*"):
             fmt = wanted or "wav"
             return AUDIO_TYPES[fmt], fmt
@@ -208,14 +275,17 @@ def response_format(accept: str | None, request: TTSRequest | None = None) -> tu
         if mt in AUDIO_ALIASES:
             fmt = AUDIO_ALIASES[mt]
             if wanted and wanted != fmt:
-                raise bad_request(f"field 'format' is {wanted!r} but the Accept header asks for {mt}")
+                conflict = conflict or mt
+                continue
             return AUDIO_TYPES[fmt], fmt
+    if conflict:
+        raise bad_request(f"field 'format' is {wanted!r} but the Accept header asks for {conflict}")
     accepted = ", ".join([*AUDIO_TYPES.values(), JSON, JSONLINES])
-    raise HTTPError(406, f"cannot answer with {accept!r}; accepted: {accepted}")
+    raise HTTPError(406, f"cannot answer with {accept[:200]!r}; accepted: {accepted}")
 
 
 def check_accept(accept: str | None, jsonlines: bool = False) -> None:
     """Reject an Accept header no response could satisfy, before any work is done."""
-    kind, _ = response_format(accept)
-    if jsonlines and kind not in (JSON, JSONLINES) and media_type(accept) not in ("", "*/*", "audio/*"):
-        raise HTTPError(406, f"a JSON Lines request is answered in {JSONLINES}, not {accept}")
+    response_format(accept)
+    if jsonlines and not any(t in (JSON, "*/*", "audio/*") or t in JSONLINES_ALIASES for t in accepted_types(accept)):
+        raise HTTPError(406, f"a JSON Lines request is answered in {JSONLINES}, not {accept[:200]}")

@@ -7,6 +7,7 @@ with a setting nobody asked for.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -48,6 +49,10 @@ class Settings:
     # batching server, streamed codec on a GPU: auto (the conv decoder in float16, the fronts' float32
     # matmuls in TF32; 51 dB SNR against float32) | float32 (the codec's own precision throughout)
     codec_precision: str = "auto"
+    max_lines: int = 256  # lines a JSON Lines body may hold; more is a 413
+    header_timeout: float = 10.0  # seconds a client may take to send a request's headers
+    body_timeout: float = 60.0  # seconds a client may take to send a request's body
+    manifest_sha256: str = ""  # set by deploy: the sha256 the package's manifest.json must have
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
@@ -72,13 +77,22 @@ class Settings:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{PREFIX}{name.upper()}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
-        for name in ("max_text_chars", "max_reference_bytes", "max_new_tokens", "max_batch"):
+        for name in ("max_text_chars", "max_reference_bytes", "max_new_tokens", "max_batch", "max_lines"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{PREFIX}{name.upper()} must be at least 1")
         if self.max_reference_seconds <= 0 or self.warmup < 0 or self.max_seq_len < 0:
             raise ConfigError(f"{PREFIX}MAX_REFERENCE_SECONDS must be positive, WARMUP and MAX_SEQ_LEN not negative")
         if self.max_queue < 0 or self.prefix_cache < 0:
             raise ConfigError(f"{PREFIX}MAX_QUEUE and {PREFIX}PREFIX_CACHE must not be negative")
+        if not (0 < self.header_timeout <= 3600 and 0 < self.body_timeout <= 3600):
+            raise ConfigError(f"{PREFIX}HEADER_TIMEOUT and {PREFIX}BODY_TIMEOUT must be in (0, 3600] seconds")
+        if self.manifest_sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.manifest_sha256):
+            raise ConfigError(f"{PREFIX}MANIFEST_SHA256 must be 64 lowercase hex digits")
+
+    def http_limits(self):
+        from fish_sm.serving.http import Limits
+
+        return Limits(header_timeout=self.header_timeout, body_timeout=self.body_timeout)
 
     def use_quantize(self, device_type: str, batching: bool = False) -> bool:
         """auto: INT8 for one request at a time on a GPU; not for the batching server, where
@@ -101,4 +115,4 @@ def _parse(key: str, raw: str, type_name: str):
             return tuple(b.strip() for b in raw.split(",") if b.strip())
     except ValueError:
         raise ConfigError(f"{key}={raw!r} is not a valid {type_name}") from None
-    return raw.upper() if key.endswith("LOG_LEVEL") else raw.lower() if key.endswith(("QUANTIZE", "COMPILE", "DTYPE", "SERVER")) else raw
+    return raw.upper() if key.endswith("LOG_LEVEL") else raw.lower() if key.endswith(("QUANTIZE", "COMPILE", "DTYPE", "SERVER", "MANIFEST_SHA256")) else raw

@@ -39,13 +39,31 @@ def load_voices(directory: Path, num_codebooks: int) -> dict[str, Reference]:
     if not directory.is_dir():
         return voices
     for d in sorted(p for p in directory.iterdir() if p.is_dir()):
+        # A voice's files are confined to its own directory, so voice.json cannot point a read elsewhere.
+        inside = directory.resolve() / d.name
         try:
-            meta = json.loads((d / "voice.json").read_text(encoding="utf-8"))
-            transcript = (d / meta.get("transcript", "transcript.txt")).read_text(encoding="utf-8")
-            codes = torch.from_numpy(np.load(d / meta.get("codes", "codes.npy")).astype(np.int64))
+            meta = json.loads(_voice_file(d, inside, "voice.json", "voice.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"voice {d.name}: cannot read voice.json ({exc})") from None
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"voice {d.name}: voice.json is not a JSON object")
+        transcript_path = _voice_file(d, inside, meta.get("transcript", "transcript.txt"), "transcript")
+        codes_path = _voice_file(d, inside, meta.get("codes", "codes.npy"), "codes")
+        try:
+            transcript = transcript_path.read_text(encoding="utf-8")
+            codes = torch.from_numpy(np.load(codes_path, allow_pickle=False).astype(np.int64))
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"voice {d.name}: cannot read it ({exc})") from None
         if codes.ndim != 2 or codes.shape[0] != num_codebooks or codes.shape[1] == 0:
             raise CheckpointError(f"voice {d.name}: codes.npy has shape {tuple(codes.shape)}, expected ({num_codebooks}, frames)")
         voices[d.name] = Reference(transcript, codes)
     return voices
+
+
+def _voice_file(voice_dir: Path, inside: Path, name, what: str) -> Path:
+    """voice_dir/name, where name must be a plain file name whose real path (links followed) is in `inside`."""
+    ok = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+    if not ok or not (voice_dir / name).resolve().is_relative_to(inside):
+        raise CheckpointError(f"voice {voice_dir.name}: {what} {name!r} is not a file name inside "
+                              f"voices/{voice_dir.name}/")
+    return voice_dir / name

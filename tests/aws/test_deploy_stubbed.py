@@ -2,11 +2,13 @@
 the blue/green update with auto-rollback, a rolled-back update, and the stock container's image lookup."""
 
 import datetime
+import io
 import sys
 import types
 
 import boto3
 import pytest
+from botocore.response import StreamingBody
 from botocore.stub import ANY, Stubber
 
 from fish_sm.aws import AWSError
@@ -68,6 +70,10 @@ def expect_update_start(stubs, old_instance_type, refuse_update=False):
     sm, s3, aa, cw = (stubs[k] for k in ("sagemaker", "s3", "application-autoscaling", "cloudwatch"))
     sm.add_response("describe_endpoint", endpoint("InService", OLD), {"EndpointName": NAME})
     s3.add_response("head_object", {"ContentLength": 7}, {"Bucket": "models", "Key": "tts/model.tar.gz"})
+    # Not a fish-sm tarball, so no FISH_SM_MANIFEST_SHA256 is pinned (tests/aws/test_package_trust_aws.py pins one).
+    s3.add_response("get_object", {"Body": StreamingBody(io.BytesIO(b"tarball"), 7), "ContentLength": 7,
+                                   "ContentRange": "bytes 0-6/7"},
+                    {"Bucket": "models", "Key": "tts/model.tar.gz", "Range": "bytes=0-65535"})
     sm.add_response("create_model", {"ModelArn": f"arn:aws:sagemaker:us-east-1:123456789012:model/{NEW}"}, {
         "ModelName": NEW, "ExecutionRoleArn": ROLE,
         "PrimaryContainer": {"Image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/fish-sm:0.1",

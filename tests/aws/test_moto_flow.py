@@ -52,10 +52,12 @@ def make_package_dir(root, weight_bytes):
     """A hand-made directory in the package layout (manifest.json + code/ mark it as built)."""
     files = {"config.json": b"{}", "model.pth": os.urandom(weight_bytes), "codec.pth": b"\x02" * 100,
              "tokenizer.tiktoken": b"", "special_tokens.json": b"{}", "code/inference.py": b"# handler\n",
-             "code/requirements.txt": b"", "voices/alice/transcript.txt": b"Hi.", "manifest.json": b"{}"}
+             "code/requirements.txt": b"", "voices/alice/transcript.txt": b"Hi."}
     for rel, data in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
+    listed = {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in files.items()}
+    (root / "manifest.json").write_text(json.dumps({"files": listed}))
     return root
 
 

@@ -3,6 +3,7 @@
 import gzip
 import hashlib
 import io
+import json
 import os
 import sys
 import tarfile
@@ -31,12 +32,13 @@ def make_package_dir(root: Path, weights: bytes = b"\x01" * 1000) -> Path:
         "voices/alice/voice.json": b'{"id": "alice"}',
         "voices/alice/reference.wav": b"RIFF....WAVE",
         "compile_cache/blob.bin": b"\x00" * 64,
-        "manifest.json": b'{"files": {}}',
     }
     for rel, data in files.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
+    listed = {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in files.items()}
+    (root / "manifest.json").write_text(json.dumps({"files": listed}))
     return root
 
 
@@ -64,7 +66,7 @@ def test_tarball_is_reproducible_and_normalised(tmp_path):
     with tarfile.open(ta.path) as tar:
         members = tar.getmembers()
         names = [m.name for m in members]
-        assert names == sorted(names, key=str.encode)
+        assert names[0] == "manifest.json" and names[1:] == sorted(names[1:], key=str.encode)
         assert "config.json" in names and "code/inference.py" in names and "voices/alice/voice.json" in names
         assert not any(n.startswith(("./", "/")) for n in names)
         assert {m.mtime for m in members} == {0}
@@ -82,8 +84,13 @@ def test_tarball_follows_links_skips_its_own_output_and_keeps_exec_bits(tmp_path
     src = make_package_dir(tmp_path / "pkg")
     (src / "code" / "run.sh").write_text("#!/bin/sh\n")
     (src / "code" / "run.sh").chmod(0o755)
-    (tmp_path / "outside.bin").write_bytes(b"linked content")
+    (tmp_path / "outside.bin").write_bytes(b"outside content")
     (src / "voices" / "linked.bin").symlink_to(tmp_path / "outside.bin")
+    with pytest.raises(InputError, match="linked.bin: a symlink to .*outside.bin, outside"):
+        make_tarball(src, tmp_path / "refused.tar.gz", progress=False)  # a link never ships what lies outside
+    (src / "voices" / "linked.bin").unlink()
+    (src / "linked content.bin").write_bytes(b"linked content")
+    (src / "voices" / "linked.bin").symlink_to(src / "linked content.bin")
     out = make_tarball(src, src / "model.tar.gz", progress=False)  # written inside the directory it archives
     with tarfile.open(out.path) as tar:
         names = tar.getnames()

@@ -14,7 +14,7 @@ def test_matching_cache_is_copied_to_the_writable_dir(tmp_path, monkeypatch):
     (packaged / "fxgraph").mkdir(parents=True)
     (packaged / "fxgraph" / "entry").write_text("kernel")
     (packaged / META).write_text(json.dumps(build_info(torch.device("cpu"))))
-    cache = CompileCache(packaged, tmp_path / "writable")
+    cache = CompileCache(packaged, tmp_path / "writable", verified=True)
     assert cache.activate(torch.device("cpu")).startswith("packaged cache loaded")
     assert (tmp_path / "writable" / "fxgraph" / "entry").read_text() == "kernel"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "writable")
@@ -29,7 +29,7 @@ def test_cache_for_another_machine_is_reported_and_ignored(tmp_path, monkeypatch
     (packaged / "fxgraph" / "entry").write_text("kernel")
     other = {**build_info(torch.device("cpu")), "torch": "2.6.0+cu124", "gpu_arch": "sm_86"}
     (packaged / META).write_text(json.dumps(other))
-    cache = CompileCache(packaged, tmp_path / "writable")
+    cache = CompileCache(packaged, tmp_path / "writable", verified=True)
     status = cache.activate(torch.device("cpu"))
     assert "ignored" in status and "torch '2.6.0+cu124'" in status and "gpu_arch 'sm_86'" in status
     assert not (tmp_path / "writable" / "fxgraph").exists()
