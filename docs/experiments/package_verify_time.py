@@ -22,7 +22,7 @@ SIZES = {"model.pth": 1_724_000_000, "codec.pth": 1_870_000_000, "config.json": 
 
 
 def write_package(root: Path) -> None:
-    from fish_sm.serving.trust import file_sha256
+    from fish_sm.package.verify import file_sha256
 
     files = {}
     for name, size in SIZES.items():
@@ -37,7 +37,7 @@ def write_package(root: Path) -> None:
 
 
 def time_once(root: Path) -> float:
-    code = ("import time; from fish_sm.serving.trust import verify_package; t=time.perf_counter(); "
+    code = ("import time; from fish_sm.package.verify import verify_package; t=time.perf_counter(); "
             f"assert verify_package({str(root)!r}); print(time.perf_counter()-t)")
     return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
 

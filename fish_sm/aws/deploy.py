@@ -32,7 +32,7 @@ DOWNLOAD_TIMEOUT_S = 1800
 # TorchServe (stock container) limits: long texts give long audio, and compiles are slow.
 TS_TIMEOUT_S = 900
 TS_MAX_BYTES = 100 * 1024 * 1024
-# The container serves only a package whose manifest.json has this sha256 (fish_sm.serving.trust).
+# The container serves only a package whose manifest.json has this sha256 (fish_sm.package.verify).
 MANIFEST_ENV = "FISH_SM_MANIFEST_SHA256"
 
 _NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
@@ -185,7 +185,7 @@ METRIC_UNITS = {"concurrency": "concurrent requests per instance", "invocations"
 # an H100 at 32 of 64 streams each stream still decodes at >= 6x real time with first audio
 # p95 ~0.12 s (0.3 s through HTTP); at 64, 4x and ~0.3 s (docs/benchmarks.md, sixth pass).
 BATCH_TARGET_SHARE = 0.5
-DEFAULT_MAX_BATCH = 64  # FISH_SM_MAX_BATCH's default in fish_sm.serving.settings (not imported: no torch here)
+DEFAULT_MAX_BATCH = 64  # FISH_SM_MAX_BATCH's default in fish_sm.settings (not imported: no torch here)
 
 
 def server_kind(env: dict[str, str], *, stock_container: bool) -> str:

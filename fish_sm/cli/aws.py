@@ -76,12 +76,12 @@ def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, co
         if parsed or compile_cache:
             raise click.UsageError(f"{checkpoint_dir} is a built package: --voice and --compile-cache apply "
                                    "only when packaging a checkpoint")
-        from fish_sm.serving.trust import verify_package
+        from fish_sm.package.verify import verify_package
 
         verify_package(checkpoint_dir)  # a package changed since it was built is refused, not shipped
         tarball = make_tarball(checkpoint_dir, output, compresslevel=compress_level)
     else:
-        from fish_sm.serving.package import build_package_dir
+        from fish_sm.package.build import build_package_dir
 
         output.parent.mkdir(parents=True, exist_ok=True)
         # Next to the output rather than in /tmp: the package is as big as the checkpoint.

@@ -27,7 +27,7 @@ def serve(model_dir: Path, port: int, host: str, workers: int | None, response_t
     Settings come from FISH_SM_* environment variables (see the README).
     """
     from fish_sm.serving.server import ServerConfig, serve as run_mms
-    from fish_sm.serving.settings import Settings
+    from fish_sm.settings import Settings
 
     cfg = ServerConfig(model_dir, port=port, host=host, workers=workers, response_timeout=response_timeout)
     if (server or Settings.from_env().server) == "mms":

@@ -46,7 +46,8 @@ from fish_sm.engine.engine import (DEFAULT_CHUNK_LENGTH, Engine, Reference, Synt
 from fish_sm.engine.generate import (GraphedStep, HostCopy, admission_shape, admission_shapes, attention_bucket,
                                      batch_sizes, decode_frame, frame_budget, noise_size, sample_frame, to_device)
 from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
-from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+from fish_sm.contract import SamplingParams
+from fish_sm.engine.sampling import PENALTY_WINDOW, sampling_tensors
 from fish_sm.engine.sampling_kernels import exponential_noise, noise_key
 from fish_sm.engine.text import split_text
 from fish_sm.errors import FishSMError, InputError
@@ -436,7 +437,7 @@ class BatchEngine:
         request.ticket.timings["queue"] = time.perf_counter() - request.ticket.submitted
         request.ticket.emit("admitted", None)
         p = request.params
-        self.sampling[:, request.slot] = to_device(torch.stack(p.tensors("cpu")).view(3, 1), self.device)
+        self.sampling[:, request.slot] = to_device(torch.stack(sampling_tensors(p, "cpu")).view(3, 1), self.device)
 
     def _start_chunks(self, requests: list[_Request], pending: list) -> None:
         """Prefill each request's next chunk into its slot and sample that chunk's first frame:

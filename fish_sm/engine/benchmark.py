@@ -38,7 +38,7 @@ from fish_sm.engine import Engine, Reference, SamplingParams
 from fish_sm.engine.engine import freeze_start_up_objects
 from fish_sm.engine.generate import attention_bucket, decode_frame, generate_frames, noise_size
 from fish_sm.engine.generate import prefill as run_prefill
-from fish_sm.engine.sampling import PENALTY_WINDOW
+from fish_sm.engine.sampling import PENALTY_WINDOW, sampling_tensors
 from fish_sm.engine.prompt import build_prompt
 
 SENTENCE = ("The quick brown fox jumps over the lazy dog while the patient engineer measures "
@@ -106,7 +106,7 @@ def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int =
     model, dev = engine.model, engine.device
     compiled_slow = model.forward_slow if dev.type == "cuda" else torch.compile(model.forward_slow, fullgraph=True)
     params = SamplingParams(seed=0)
-    t, p, r = (x.view(1, 1) for x in params.tensors(dev))
+    t, p, r = (x.view(1, 1) for x in sampling_tensors(params, dev))
     worst, scale, agree, total = 0.0, 0.0, 0, 0
     with torch.inference_mode():
         length = prompt.shape[1]
@@ -210,7 +210,7 @@ def decode_step_inputs(engine: Engine, batch: int, live: int) -> tuple[tuple, to
     positions, penalty window, noise, temperature, top_p, penalty), and its `key_pos`."""
     model, dev = engine.model, engine.device
     rows = 1 + model.config.num_codebooks
-    t, p, r = (x.view(1, 1).expand(batch, 1).contiguous() for x in SamplingParams(seed=0).tensors(dev))
+    t, p, r = (x.view(1, 1).expand(batch, 1).contiguous() for x in sampling_tensors(SamplingParams(seed=0), dev))
     frame = torch.zeros(batch, rows, dtype=torch.long, device=dev)
     frame[:, 0] = model.semantic_begin_id
     pos = torch.full((batch,), live - 1, device=dev)
@@ -249,7 +249,7 @@ def profile_admission(engine: Engine, calls: int = 5) -> dict:
 
     model, dev = engine.model, engine.device
     prompt = build_prompt(engine.tokenizer, model.config.num_codebooks, [], BATCH_TEXTS[1]).to(dev)
-    t, p, r = (x.view(1, 1) for x in SamplingParams(seed=0).tensors(dev))
+    t, p, r = (x.view(1, 1) for x in sampling_tensors(SamplingParams(seed=0), dev))
     noise = torch.empty(1, noise_size(model), device=dev).exponential_(1)
 
     def admit():

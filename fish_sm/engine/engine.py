@@ -25,7 +25,7 @@ from fish_sm.errors import FishSMError, InputError
 from fish_sm.engine.audio import AudioInput, load_reference_audio
 from fish_sm.engine.generate import GraphedStep, HostCopy, decode_frame, generate_frames, to_device
 from fish_sm.engine.prompt import chunk_prompt
-from fish_sm.engine.sampling import SamplingParams
+from fish_sm.contract import DEFAULT_CHUNK_LENGTH, SamplingParams
 from fish_sm.engine.text import split_text
 from fish_sm.model.checkpoint import find_model_file
 from fish_sm.model.codec import Codec, load_codec
@@ -36,7 +36,6 @@ from fish_sm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("fish_sm.engine")
 
-DEFAULT_CHUNK_LENGTH = 200  # characters; upstream accepts 100..300
 SILENCE_PEAK = 1e-4
 
 

@@ -25,7 +25,8 @@ from fish_sm.errors import InputError
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE
 from fish_sm.model.dual_ar import DualARTransformer, compile_decode
 from fish_sm.engine import sampling_kernels
-from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices, logits_to_probs
+from fish_sm.contract import SamplingParams
+from fish_sm.engine.sampling import PENALTY_WINDOW, head_penalty_indices, logits_to_probs, sampling_tensors
 
 
 # Whether the one-row pickers' graphs get the decode step's coordinate-descent tuning
@@ -470,7 +471,7 @@ def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingPa
     device = model.device
     n_rows, length = prompt.shape
     max_new = frame_budget(length, model.max_seq_len, params.max_new_tokens)
-    temperature, top_p, penalty = (t.view(1, 1) for t in params.tensors(device))
+    temperature, top_p, penalty = (t.view(1, 1) for t in sampling_tensors(params, device))
     n_noise = noise_size(model)
 
     def noise() -> Tensor:

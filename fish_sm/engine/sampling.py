@@ -10,50 +10,25 @@ for top_p=0.8 samples with 0.80078125 here as there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from fish_sm.errors import InputError
+from fish_sm.contract import SamplingParams
 
 # Upstream's repetition-penalty window, in frames.
 PENALTY_WINDOW = 16
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest
 
 
 def _bf16(x: float) -> float:
     return float(torch.tensor(float(x), dtype=torch.bfloat16))
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.8
-    top_p: float = 0.8
-    repetition_penalty: float = 1.1
-    max_new_tokens: int = 1024
-    seed: int | None = None
-
-    # Ranges upstream's API accepts.
-    RANGES = {"temperature": (0.1, 1.0), "top_p": (0.1, 1.0), "repetition_penalty": (0.9, 2.0)}
-
-    def __post_init__(self):
-        for name, (lo, hi) in self.RANGES.items():
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-                raise InputError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= MAX_SEED):
-            raise InputError(f"seed must be an integer in [0, 2^64 - 1], got {str(self.seed)[:40]}")
-
-    def tensors(self, device) -> tuple[Tensor, Tensor, Tensor]:
-        """(temperature, top_p, repetition_penalty) as float32 scalars holding bf16-rounded values."""
-        return tuple(
-            torch.tensor(_bf16(v), dtype=torch.float32, device=device)
-            for v in (self.temperature, self.top_p, self.repetition_penalty)
-        )
+def sampling_tensors(params: SamplingParams, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(temperature, top_p, repetition_penalty) as float32 scalars holding bf16-rounded values."""
+    return tuple(
+        torch.tensor(_bf16(v), dtype=torch.float32, device=device)
+        for v in (params.temperature, params.top_p, params.repetition_penalty)
+    )
 
 
 def apply_repetition_penalty(logits: Tensor, previous: Tensor, penalty: Tensor) -> Tensor:

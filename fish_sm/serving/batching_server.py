@@ -26,16 +26,16 @@ from aiohttp import web
 
 from fish_sm.engine.batching import BatchEngine, EngineStopped, Job, Overloaded
 from fish_sm.engine.engine import freeze_start_up_objects
-from fish_sm.engine.sampling import SamplingParams
+from fish_sm.contract import SamplingParams
 from fish_sm.errors import InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
 from fish_sm.serving.handler import Prediction, ServingModel, WARMUP_TEXT, load_model, output_fn, resolve_reference
-from fish_sm.serving.http import application, error_response, listening, read_body
-from fish_sm.serving.request import (AUDIO_TYPES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type, parse_body,
-                                      response_format)
+from fish_sm.serving.http import Limits, application, error_response, listening, read_body
+from fish_sm.contract import AUDIO_TYPES, TTSRequest
+from fish_sm.serving.request import JSONLINES_ALIASES, check_accept, media_type, parse_body, response_format
 from fish_sm.serving.server import ServerConfig, check_model_dir
-from fish_sm.serving.settings import Settings
+from fish_sm.settings import Settings
 
 logger = logging.getLogger("fish_sm.serving")
 
@@ -325,7 +325,7 @@ def _error(exc: HTTPError) -> web.Response:
 
 def make_app(model_dir: Path, settings: Settings) -> web.Application:
     server = BatchingApp(model_dir, settings)
-    app = application(settings.http_limits())
+    app = application(Limits.from_settings(settings))
     app.router.add_get("/ping", server.ping)
     app.router.add_post("/invocations", server.invocations)
     app.on_startup.append(server.start)

@@ -6,7 +6,7 @@ packaged copy is read-only on SageMaker, so it is copied to a writable directory
 and what the warm-up adds is kept there. `cache.json` records what the kernels were built
 for; a cache for another GPU architecture or torch version is reported and ignored.
 Inductor unpickles cache entries, so the packaged copy is used only from a package whose
-files were verified against its manifest (`fish_sm.serving.trust`).
+files were verified against its manifest (`fish_sm.package.verify`).
 """
 
 from __future__ import annotations

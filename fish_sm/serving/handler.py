@@ -22,9 +22,10 @@ from fish_sm.errors import FishSMError, InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.compile_cache import CompileCache
 from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
-from fish_sm.serving.request import (JSON, JSONLINES, JSONLINES_ALIASES, TTSRequest, check_accept, media_type,
-                                      parse_body, response_format)
-from fish_sm.serving.settings import Settings
+from fish_sm.contract import TTSRequest
+from fish_sm.serving.request import (JSON, JSONLINES, JSONLINES_ALIASES, check_accept, media_type, parse_body,
+                                      response_format)
+from fish_sm.settings import Settings
 from fish_sm.serving.voices import load_voices
 
 logger = logging.getLogger("fish_sm.serving")
@@ -101,7 +102,7 @@ def load_model(model_dir: Path, device: str, settings: Settings, batching: bool 
         logger.info("%s %s: %.2f s", label, name, timings[name])
         return out
 
-    from fish_sm.serving.trust import verify_package
+    from fish_sm.package.verify import verify_package
 
     # Before anything in the directory is read: a tampered package stops here, naming the file.
     verified = phase("verify", lambda: verify_package(model_dir, settings.manifest_sha256))

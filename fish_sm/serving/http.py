@@ -33,6 +33,11 @@ class Limits:
     body_timeout: float = 60.0  # seconds for the whole body, once the handler reads it
 
 
+    @classmethod
+    def from_settings(cls, settings) -> "Limits":
+        return cls(header_timeout=settings.header_timeout, body_timeout=settings.body_timeout)
+
+
 LIMITS = web.AppKey("limits", Limits)
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 from fish_sm.errors import CheckpointError, ConfigError
 from fish_sm.serving.front import READY_DIR_ENV, Front, make_app
 from fish_sm.serving.handler_service import MODEL_DIR_ENV
-from fish_sm.serving.http import PAYLOAD_LIMIT, listening
-from fish_sm.serving.settings import Settings
+from fish_sm.serving.http import PAYLOAD_LIMIT, Limits, listening
+from fish_sm.settings import Settings
 
 HANDLER = "fish_sm.serving.handler_service:handle"
 JOB_QUEUE = 100  # requests MMS holds for its workers (its default); beyond, it answers 503
@@ -52,7 +52,7 @@ class ServerConfig:
 def check_model_dir(model_dir: Path) -> None:
     """A package directory (every file verified against its manifest.json, and against
     FISH_SM_MANIFEST_SHA256 when set) or a plain checkpoint directory: the checkpoint files at the top."""
-    from fish_sm.serving.trust import verify_package
+    from fish_sm.package.verify import verify_package
 
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -149,7 +149,7 @@ def serve(cfg: ServerConfig) -> int:
             try:
                 front = Front(f"http://127.0.0.1:{backend_port}", ready_dir, workers, cfg.response_timeout + 30,
                               connections=JOB_QUEUE + workers)
-                asyncio.run(_run_front(make_app(front, settings.http_limits()), cfg, proc, stop))
+                asyncio.run(_run_front(make_app(front, Limits.from_settings(settings)), cfg, proc, stop))
             finally:
                 _terminate(proc)
             return proc.returncode if proc.returncode and proc.returncode > 0 else 0

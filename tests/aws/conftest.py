@@ -11,7 +11,7 @@ from fish_sm.aws.bench import local_server
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, tone, encode_audio):
     """A package directory, as SageMaker unpacks model.tar.gz: the tiny checkpoint and one voice."""
-    from fish_sm.serving.package import build_package_dir
+    from fish_sm.package.build import build_package_dir
 
     root = tmp_path_factory.mktemp("tiny-serve")
     subprocess.run([sys.executable, "-m", "fish_sm.cli", "make-checkpoint", str(root / "ckpt"), "--preset", "tiny"],

@@ -162,9 +162,9 @@ def test_package_command_builds_through_build_package_dir(tmp_path, monkeypatch)
         make_package_dir(out_dir)
         return {"files": {}}
 
-    fake = types.ModuleType("fish_sm.serving.package")
+    fake = types.ModuleType("fish_sm.package.build")
     fake.build_package_dir = build_package_dir
-    monkeypatch.setitem(sys.modules, "fish_sm.serving.package", fake)
+    monkeypatch.setitem(sys.modules, "fish_sm.package.build", fake)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     audio = tmp_path / "alice.flac"

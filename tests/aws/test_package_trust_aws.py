@@ -20,7 +20,7 @@ from fish_sm.aws.s3 import S3Uri
 from fish_sm.aws.session import AWS
 from fish_sm.cli import main
 from fish_sm.errors import InputError
-from fish_sm.serving.trust import verify_package
+from fish_sm.package.verify import verify_package
 from moto_helpers import moto_server
 
 ROLE = "arn:aws:iam::123456789012:role/fish-sm-test"

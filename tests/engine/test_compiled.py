@@ -56,12 +56,12 @@ def test_compiled_layers_write_the_cache_as_eager_ones_do(tiny_checkpoint, batch
     the eager layers: same logits and the same cache after a few decode steps. `rows`: the
     one-row halves on `row_products` (here their torch arithmetic; the GPU runs the kernels)."""
     from fish_sm.engine.generate import decode_frame, noise_size
-    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, sampling_tensors
 
     engines = [Engine.from_pretrained(tiny_checkpoint, device="cpu") for _ in range(2)]
     engines[1].model.compile_layers(dynamic_batch=batch > 1, rows=rows)
     rows = 1 + engines[0].config.num_codebooks
-    t, p, r = (x.view(1, 1).expand(batch, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+    t, p, r = (x.view(1, 1).expand(batch, 1) for x in sampling_tensors(SamplingParams(seed=0), "cpu"))
     outs = []
     for engine in engines:
         model = engine.model
@@ -127,13 +127,13 @@ def test_a_prompt_padded_to_its_prefill_bucket_decodes_as_the_prompt_alone(tiny_
     """What a captured prefill does (GPU): the prompt padded at its end with stale tokens, the
     head read at its last real position. The padding's keys must never be seen."""
     from fish_sm.engine.generate import decode_frame, noise_size
-    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, sampling_tensors
 
     engine = Engine.from_pretrained(tiny_checkpoint, device="cpu")
     model = engine.model
     prompt = build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE)
     n, bucket = prompt.shape[1], prompt.shape[1] + 37
-    t, p, r = (x.view(1, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+    t, p, r = (x.view(1, 1) for x in sampling_tensors(SamplingParams(seed=0), "cpu"))
     runs = []
     for padded in (False, True):
         model.setup_caches(1, 256)
@@ -193,12 +193,12 @@ def test_compiled_pickers_pick_as_eager_ones(tiny_checkpoint, rows):
     import functools
 
     from fish_sm.engine.generate import pick, pick_residual
-    from fish_sm.engine.sampling import SamplingParams
+    from fish_sm.engine.sampling import SamplingParams, sampling_tensors
     from fish_sm.model.dual_ar import compile_decode
 
     model = Engine.from_pretrained(tiny_checkpoint, device="cpu").model
     c, g = model.config, torch.Generator().manual_seed(rows)
-    t, p, r = (x.view(1, 1).expand(rows, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+    t, p, r = (x.view(1, 1).expand(rows, 1) for x in sampling_tensors(SamplingParams(seed=0), "cpu"))
     logits = torch.randn(rows, c.semantic_vocab + 1, generator=g) * 3
     hidden = torch.randn(rows, c.fast_dim, generator=g)
     previous = torch.randint(0, 1024, (rows, 16), generator=g)
@@ -276,7 +276,7 @@ def _frames_at_batch_sizes(checkpoint, batches: list[int], compiled: bool, fast_
     compiled as the batching engine compiles them, if `compiled`): for each batch size, the
     last frame and the (k, v) cache rows of every layer (of the fast layers, with `fast_only`)."""
     from fish_sm.engine.generate import decode_frame, noise_size
-    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams
+    from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, sampling_tensors
 
     engine = Engine.from_pretrained(checkpoint, device="cpu")
     model = engine.model
@@ -288,7 +288,7 @@ def _frames_at_batch_sizes(checkpoint, batches: list[int], compiled: bool, fast_
     out = []
     with torch.inference_mode():
         for n, batch in enumerate(batches):
-            t, p, r = (x.view(1, 1).expand(batch, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+            t, p, r = (x.view(1, 1).expand(batch, 1) for x in sampling_tensors(SamplingParams(seed=0), "cpu"))
             g = torch.Generator().manual_seed(n)
             frame = torch.zeros(batch, rows, dtype=torch.long)
             frame[:, 0] = model.semantic_begin_id

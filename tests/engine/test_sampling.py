@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from fish_sm.engine.sampling import SamplingParams, apply_repetition_penalty, head_penalty_indices, logits_to_probs, sample
+from fish_sm.engine.sampling import SamplingParams, apply_repetition_penalty, head_penalty_indices, logits_to_probs, sample, sampling_tensors
 from fish_sm.errors import InputError
 
 
 def test_params_are_rounded_to_bf16_like_upstream():
-    t, p, r = SamplingParams(temperature=0.8, top_p=0.8, repetition_penalty=1.1).tensors("cpu")
+    t, p, r = sampling_tensors(SamplingParams(temperature=0.8, top_p=0.8, repetition_penalty=1.1), "cpu")
     assert t.item() == 0.80078125 and p.item() == 0.80078125 and r.item() == 1.1015625
 
 

@@ -6,7 +6,7 @@ import torch
 
 from fish_sm.engine import Engine, sampling_kernels
 from fish_sm.engine.generate import Pickers, noise_size, pick, pick_residual, sample_frame
-from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices
+from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, head_penalty_indices, sampling_tensors
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and sampling_kernels.triton is not None),
                                reason="needs CUDA and Triton")
@@ -35,7 +35,7 @@ def test_pickers_with_the_next_input_sample_the_same_frame(tiny_checkpoint):
     hidden = torch.randn(1, c.fast_dim, generator=g)
     window = torch.randint(0, 100, (1, 1 + c.num_codebooks, PENALTY_WINDOW), generator=g)
     noise = torch.empty(1, noise_size(model)).exponential_(1, generator=g)
-    t, p, r = (x.view(1, 1) for x in SamplingParams(seed=0).tensors("cpu"))
+    t, p, r = (x.view(1, 1) for x in sampling_tensors(SamplingParams(seed=0), "cpu"))
     plain = Pickers(residual=lambda *a: pick_residual(*a, sort_free=True))
     with torch.inference_mode():
         want = sample_frame(model, logits, hidden, window, noise, t, p, r, plain)
@@ -57,7 +57,7 @@ def test_kernels_sample_what_the_torch_sampling_samples():
         params = SamplingParams(temperature=0.1 + 0.9 * torch.rand(1, generator=g).item(),
                                 top_p=0.1 + 0.9 * torch.rand(1, generator=g).item(),
                                 repetition_penalty=0.9 + 1.1 * torch.rand(1, generator=g).item())
-        t, p, r = (x.view(1, 1) for x in params.tensors("cuda"))
+        t, p, r = (x.view(1, 1) for x in sampling_tensors(params, "cuda"))
         previous = torch.randint(0, 1024, (1, PENALTY_WINDOW), generator=g).cuda() if i % 2 else None
         want = pick(logits, noise, t, p, r, previous, sort_free=True)
         code, row = sampling_kernels.sample_residual(logits, noise, t, p, r, previous, table)
@@ -72,7 +72,7 @@ def test_kernels_replay_in_a_cuda_graph():
     logits = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     noise = torch.empty(1, 1024, device="cuda").exponential_(1)
     table = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
-    t, p, r = (x.view(1, 1) for x in SamplingParams().tensors("cuda"))
+    t, p, r = (x.view(1, 1) for x in sampling_tensors(SamplingParams(), "cuda"))
     want, _ = sampling_kernels.sample_residual(logits, noise, t, p, r, None, table)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -94,8 +94,8 @@ def test_head_kernels_pick_what_the_torch_sampling_picks():
             logits[0, -1] = 30.0  # <|im_end|>
         logits = logits.to("cuda", torch.bfloat16)
         noise = torch.empty(1, n_semantic + 1).exponential_(1, generator=g).cuda()
-        t, p, r = (x.view(1, 1) for x in SamplingParams(top_p=0.1 + 0.9 * torch.rand(1, generator=g).item(),
-                                                         repetition_penalty=1.5).tensors("cuda"))
+        t, p, r = (x.view(1, 1) for x in sampling_tensors(SamplingParams(top_p=0.1 + 0.9 * torch.rand(1, generator=g).item(),
+                                                         repetition_penalty=1.5), "cuda"))
         first = torch.randint(begin - 50, begin + n_semantic + 50, (1, 11), generator=g)
         first[0, 0] = im_end if i % 3 == 0 else first[0, 0]
         window = torch.zeros(1, 11, PENALTY_WINDOW, dtype=torch.long)
@@ -117,7 +117,7 @@ def _row_params(g, rows: int, top_p: float | None = None):
     params = [SamplingParams(temperature=0.1 + 0.9 * torch.rand(1, generator=g).item(),
                              top_p=top_p or 0.1 + 0.9 * torch.rand(1, generator=g).item(),
                              repetition_penalty=0.9 + 1.1 * torch.rand(1, generator=g).item()) for _ in range(rows)]
-    return [torch.stack([p.tensors("cuda")[i] for p in params]).view(rows, 1) for i in range(3)]
+    return [torch.stack([sampling_tensors(p, "cuda")[i] for p in params]).view(rows, 1) for i in range(3)]
 
 
 @needs_gpu

@@ -11,7 +11,7 @@ from fish_speech.models.text2semantic import inference as up_inference
 from fish_speech.models.text2semantic.llama import DualARModelArgs, DualARTransformer
 from fish_speech.tokenizer import FishTokenizer
 from fish_sm.engine.prompt import build_prompt
-from fish_sm.engine.sampling import SamplingParams, logits_to_probs
+from fish_sm.engine.sampling import SamplingParams, logits_to_probs, sampling_tensors
 from fish_sm.model.config import ModelConfig
 from fish_sm.model.dual_ar import load_dual_ar
 from fish_sm.model.tokenizer import Tokenizer, train_byte_bpe, write_tokenizer
@@ -139,7 +139,7 @@ def test_sampling_probabilities(vocab, params):
     previous = torch.randint(0, vocab, (16,), generator=g)
     bf16 = lambda v: torch.tensor(v, dtype=torch.bfloat16)  # as upstream's generate() carries them
     theirs = up_inference.logits_to_probs(logits.clone(), bf16(temperature), bf16(top_p), bf16(penalty), previous)
-    mine = logits_to_probs(logits.clone(), *SamplingParams(temperature, top_p, penalty).tensors("cpu"), previous)
+    mine = logits_to_probs(logits.clone(), *sampling_tensors(SamplingParams(temperature, top_p, penalty), "cpu"), previous)
     diff = (theirs - mine).abs().max().item()
     print(f"\nsampling probs (V={vocab}, T={temperature}, p={top_p}, r={penalty}): max|d| {diff:.2e}")
     assert diff < 1e-6

@@ -12,7 +12,7 @@ def voice_audio(tmp_path_factory, tone, encode_audio):
 
 @pytest.fixture(scope="session")
 def package_dir(tiny_checkpoint, tmp_path_factory, voice_audio):
-    from fish_sm.serving.package import build_package_dir
+    from fish_sm.package.build import build_package_dir
 
     out = tmp_path_factory.mktemp("package")
     build_package_dir(tiny_checkpoint, out, voices={"narrator": (voice_audio, "This is the narrator speaking.")})

@@ -22,7 +22,7 @@ from fish_sm.engine.audio import FILTER_BANK_LIMIT, _resample_per_sample, read_a
 from fish_sm.errors import InputError
 from fish_sm.serving.errors import HTTPError
 from fish_sm.serving.request import parse_body, response_format
-from fish_sm.serving.settings import Settings
+from fish_sm.settings import Settings
 
 ENV = {**QUICK_ENV, "FISH_SM_MAX_BATCH": "2", "FISH_SM_MAX_QUEUE": "2", "FISH_SM_MAX_LINES": "64",
        "FISH_SM_HEADER_TIMEOUT": "1", "FISH_SM_BODY_TIMEOUT": "2", "FISH_SM_ALLOWED_BUCKETS": "voices-ok"}
@@ -311,7 +311,7 @@ def silent_package(tiny_checkpoint, tmp_path_factory):
 
     import torch
 
-    from fish_sm.serving.package import build_package_dir
+    from fish_sm.package.build import build_package_dir
 
     root = tmp_path_factory.mktemp("silent")
     ckpt = root / "ckpt"

@@ -7,7 +7,7 @@ import pytest
 
 from fish_sm.serving.errors import HTTPError
 from fish_sm.serving.request import parse_body, response_format
-from fish_sm.serving.settings import Settings
+from fish_sm.settings import Settings
 
 S = Settings(max_text_chars=100, max_reference_bytes=1000, allowed_buckets=("voices-ok",))
 B64 = base64.b64encode(b"RIFF....WAVEfmt ").decode()

@@ -89,11 +89,6 @@ class Settings:
         if self.manifest_sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.manifest_sha256):
             raise ConfigError(f"{PREFIX}MANIFEST_SHA256 must be 64 lowercase hex digits")
 
-    def http_limits(self):
-        from fish_sm.serving.http import Limits
-
-        return Limits(header_timeout=self.header_timeout, body_timeout=self.body_timeout)
-
     def use_quantize(self, device_type: str, batching: bool = False) -> bool:
         """auto: INT8 for one request at a time on a GPU; not for the batching server, where
         torchao's INT8 kernel for several rows at once is far slower than bf16 (H100: 283 us
