@@ -1,1 +1,1 @@
-../fish_sm/serving/entry_point.py
+../fish_sm/serving/mms/entry_point.py

@@ -1,10 +1,23 @@
-"""Shared fixtures: one tiny checkpoint (written in the official formats) per test session."""
+"""Shared fixtures: one tiny checkpoint (written in the official formats) per test session.
+Tests are marked here too: `integration` for those that use a fixture starting a server on
+loopback, `gpu` for those skipped without CUDA (see setup.cfg's markers)."""
 
 import io
 
 import numpy as np
 import pytest
 import soundfile as sf
+
+# Fixtures that start a server on loopback (a `fish-sm serve`, the model server, moto).
+SERVER_FIXTURES = {"server", "one_slot", "silent_server", "tiny_url", "moto_server"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+        if any("CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture(scope="session")

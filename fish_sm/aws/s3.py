@@ -1,7 +1,7 @@
-"""S3 URIs, uploads/downloads with a progress bar, and ranged reads of an object's start.
+"""S3 URIs, uploads/downloads that report their progress, and ranged reads of an object's start.
 
 A packaged S1-mini checkpoint is several GB, so uploads are multipart (boto3's transfer
-manager, parts in parallel) and show bytes sent; small objects (requests, results) go
+manager, parts in parallel) and report bytes sent; small objects (requests, results) go
 through plain put/get.
 """
 
@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-import click
+from typing import Callable
 
 from fish_sm.aws import AWSError
 from fish_sm.aws.session import AWS, error_code, is_not_found
@@ -23,6 +21,7 @@ from fish_sm.errors import InputError
 MIB = 1024 * 1024
 DEFAULT_PART_SIZE = 64 * MIB
 MIN_PART_SIZE = 5 * MIB  # S3's floor for every part but the last
+Progress = Callable[[int, int], None]  # (bytes transferred so far, bytes in all)
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -65,24 +64,25 @@ def parse_s3_uri(uri: str, *, what: str = "S3 URI", prefix: bool | None = None) 
     return S3Uri(bucket, key)
 
 
-@contextlib.contextmanager
-def byte_progress(label: str, total: int, enabled: bool = True):
-    """A progress bar on stderr fed with byte counts; safe to call from transfer threads."""
-    if not enabled:
-        yield lambda n: None
-        return
-    lock = threading.Lock()
-    with click.progressbar(length=max(total, 1), label=label, file=sys.stderr,
-                           show_pos=False, show_percent=True, show_eta=True) as bar:
-        def update(n: int) -> None:
-            with lock:
-                bar.update(n)
+def _byte_counter(total: int, progress: Progress | None):
+    """boto3's Callback: its byte counts, from the transfer threads, summed and passed on one
+    call at a time as (done, total); progress hears (0, total) first. None without progress."""
+    if not progress:
+        return None
+    lock, done = threading.Lock(), 0
 
-        yield update
+    def update(n: int) -> None:
+        nonlocal done
+        with lock:
+            done += n
+            progress(done, total)
+
+    progress(0, total)
+    return update
 
 
 def upload_file(aws: AWS, path: Path, dest: S3Uri, *, part_size: int = DEFAULT_PART_SIZE,
-                progress: bool = True, content_type: str | None = None) -> S3Uri:
+                progress: Progress | None = None, content_type: str | None = None) -> S3Uri:
     """Upload `path` to `dest` (a prefix gets the file's name appended); multipart above part_size."""
     from boto3.exceptions import S3UploadFailedError
     from boto3.s3.transfer import TransferConfig
@@ -97,25 +97,23 @@ def upload_file(aws: AWS, path: Path, dest: S3Uri, *, part_size: int = DEFAULT_P
     config = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
                             max_concurrency=8, use_threads=True)
     extra = {"ContentType": content_type} if content_type else None
-    size = path.stat().st_size
-    with byte_progress(f"uploading {path.name}", size, progress) as update:
-        try:
-            aws.s3.upload_file(str(path), target.bucket, target.key, Config=config, Callback=update,
-                               ExtraArgs=extra)
-        except S3UploadFailedError as exc:  # wraps the ClientError (NoSuchBucket, AccessDenied) in its text
-            raise AWSError(f"upload to {target} failed: {exc}") from None
+    update = _byte_counter(path.stat().st_size, progress)
+    try:
+        aws.s3.upload_file(str(path), target.bucket, target.key, Config=config, Callback=update,
+                           ExtraArgs=extra)
+    except S3UploadFailedError as exc:  # wraps the ClientError (NoSuchBucket, AccessDenied) in its text
+        raise AWSError(f"upload to {target} failed: {exc}") from None
     return target
 
 
-def download_file(aws: AWS, src: S3Uri, path: Path, *, progress: bool = True) -> Path:
-    """Download one object to `path`, with a progress bar sized from HeadObject."""
+def download_file(aws: AWS, src: S3Uri, path: Path, *, progress: Progress | None = None) -> Path:
+    """Download one object to `path`; progress's total comes from HeadObject."""
     head = head_object(aws, src)
     if head is None:
         raise AWSError(f"{src} does not exist")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with byte_progress(f"downloading {Path(src.key).name}", head["ContentLength"], progress) as update:
-        aws.s3.download_file(src.bucket, src.key, str(path), Callback=update)
+    aws.s3.download_file(src.bucket, src.key, str(path), Callback=_byte_counter(head["ContentLength"], progress))
     return path
 
 

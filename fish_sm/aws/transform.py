@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass, field
 
 from fish_sm.aws import AWSError
-from fish_sm.aws.deploy import (MAX_NAME, TAG_KEY, check_name, describe_endpoint, endpoint_config, gpu_count,
-                                new_stamp)
+from fish_sm.aws.container import gpu_count
+from fish_sm.aws.endpoints import describe_endpoint, endpoint_config
+from fish_sm.aws.naming import MAX_NAME, TAG_KEY, check_name, new_stamp
 from fish_sm.aws.s3 import S3Uri, list_objects
 from fish_sm.aws.session import AWS, is_not_found
 from fish_sm.errors import InputError

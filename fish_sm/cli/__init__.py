@@ -4,8 +4,9 @@ Each module registers its commands on the one group in `common`.
 """
 
 from fish_sm.cli.common import main
-from fish_sm.cli import engine  # noqa: F401  (registers make-checkpoint, synthesize)
-from fish_sm.cli import aws  # noqa: F401
-from fish_sm.cli import serve  # noqa: F401  (registers serve)
+from fish_sm.cli import engine, aws, serve
+
+# Imported for what importing does: each module registers its commands on `main`.
+_COMMAND_MODULES = (engine, aws, serve)
 
 __all__ = ["main"]

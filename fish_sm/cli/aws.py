@@ -1,7 +1,9 @@
 """AWS commands: package, deploy, invoke, bench, transform, status, delete.
 
-Thin: options are parsed here and the work is done in fish_sm.aws. boto3 is imported only
-when a command runs; botocore's errors become one-line messages like our own.
+Thin: options are parsed here and the work is done in fish_sm.aws (AWS resources) and
+fish_sm.clients (requests to a server or endpoint), with progress bars from cli.progress.
+boto3 is imported only when a command runs; botocore's errors become one-line messages like
+our own.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import click
 
 from fish_sm.cli.common import friendly_errors, main
+from fish_sm.contract import AUDIO_TYPES
 
 
 def aws_options(fn):
@@ -63,9 +66,15 @@ def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, co
     """
     import tempfile
 
-    from fish_sm.aws.package import FileProgress, is_package_dir, make_tarball, parse_voice_specs
     from fish_sm.aws.package import upload as upload_tarball
     from fish_sm.aws.s3 import MIB, check_bucket, parse_s3_uri
+    from fish_sm.cli.package_inputs import is_package_dir, parse_voice_specs
+    from fish_sm.cli.progress import ByteProgress, FileProgress
+    from fish_sm.package.tarball import make_tarball
+
+    def archive(src: Path):
+        with ByteProgress(f"archiving {output.name}") as bar:
+            return make_tarball(src, output, compresslevel=compress_level, progress=bar)
 
     dest = parse_s3_uri(upload, what="--upload") if upload else None
     if dest is not None:  # fail before the long work, not after it
@@ -79,7 +88,7 @@ def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, co
         from fish_sm.package.verify import verify_package
 
         verify_package(checkpoint_dir)  # a package changed since it was built is refused, not shipped
-        tarball = make_tarball(checkpoint_dir, output, compresslevel=compress_level)
+        tarball = archive(checkpoint_dir)
     else:
         from fish_sm.package.build import build_package_dir
 
@@ -89,11 +98,12 @@ def package(checkpoint_dir, output, voices, compile_cache, upload, part_size, co
             package_dir = Path(tmp) / "model"
             with FileProgress() as progress:
                 build_package_dir(checkpoint_dir, package_dir, parsed, compile_cache, progress=progress)
-            tarball = make_tarball(package_dir, output, compresslevel=compress_level)
+            tarball = archive(package_dir)
     click.echo(f"wrote {tarball.path}: {_human(tarball.size)}, {tarball.files} files, sha256 {tarball.sha256}"
                + (f", voices: {', '.join(parsed)}" if parsed else ""))
     if dest is not None:
-        uri = upload_tarball(aws, tarball.path, dest, part_size=part_size * MIB)
+        with ByteProgress(f"uploading {tarball.path.name}") as bar:
+            uri = upload_tarball(aws, tarball.path, dest, part_size=part_size * MIB, progress=bar)
         click.echo(str(uri))
 
 
@@ -150,7 +160,10 @@ def deploy(name, model_data, role, image, stock_container, instance_type, instan
     Autoscaling options give the wanted state: a deploy without --max (or --scale-to-zero)
     removes autoscaling the endpoint had.
     """
-    from fish_sm.aws import deploy as d
+    from fish_sm.aws.autoscaling import make_autoscaling
+    from fish_sm.aws.container import parse_env
+    from fish_sm.aws.deploy import deploy as deploy_endpoint
+    from fish_sm.aws.deploy_request import DeployRequest, make_async
     from fish_sm.aws.s3 import parse_s3_uri
 
     async_only = {"--output": async_output, "--failure": async_failure, "--sns-success": sns_success,
@@ -163,19 +176,19 @@ def deploy(name, model_data, role, image, stock_container, instance_type, instan
     else:
         if not async_output:
             raise click.UsageError("--async needs --output s3://bucket/prefix/")
-        async_options = d.make_async(parse_s3_uri(async_output, what="--output", prefix=True),
-                                     parse_s3_uri(async_failure, what="--failure", prefix=True) if async_failure else None,
-                                     sns_success, sns_error, max_concurrent)
-    env = d.parse_env(env_pairs)
-    request = d.DeployRequest(
+        async_options = make_async(parse_s3_uri(async_output, what="--output", prefix=True),
+                                   parse_s3_uri(async_failure, what="--failure", prefix=True) if async_failure else None,
+                                   sns_success, sns_error, max_concurrent)
+    env = parse_env(env_pairs)
+    request = DeployRequest(
         name=name, model_data=parse_s3_uri(model_data, what="--model-data", prefix=False), role=role,
         instance_type=instance_type, image=image, stock_container=stock_container, instances=instances, env=env,
-        autoscaling=d.make_autoscaling(instances=instances, min_instances=min_instances, max_instances=max_instances,
-                                       target=target, metric=metric, is_async=is_async, scale_to_zero=scale_to_zero,
-                                       instance_type=instance_type, env=env, stock_container=stock_container),
+        autoscaling=make_autoscaling(instances=instances, min_instances=min_instances, max_instances=max_instances,
+                                     target=target, metric=metric, is_async=is_async, scale_to_zero=scale_to_zero,
+                                     instance_type=instance_type, env=env, stock_container=stock_container),
         async_options=async_options, startup_timeout=startup_timeout, download_timeout=download_timeout,
         bake_seconds=bake, rollback_errors=rollback_errors)
-    result = d.deploy(_aws(region, profile, endpoint_url), request, wait=wait, poll_s=poll, log=click.echo)
+    result = deploy_endpoint(_aws(region, profile, endpoint_url), request, wait=wait, poll_s=poll, log=click.echo)
     if result.endpoint is not None:
         click.echo(f"endpoint {name} {result.action} and InService on {result.config_name}")
     else:
@@ -209,7 +222,7 @@ def _one_target(*choices: tuple[str, object]) -> None:
 @click.option("--reference-text", help="Transcript of --reference.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("out.wav"),
               show_default=True, help="Where the audio goes; .pcm and .raw get bare 16-bit PCM.")
-@click.option("--format", "fmt", type=click.Choice(["wav", "flac", "ogg", "mp3", "pcm"]),
+@click.option("--format", "fmt", type=click.Choice(list(AUDIO_TYPES)),
               help="Audio format (default: from the output's extension); pcm is bare 16-bit little-endian mono.")
 @_sampling_options
 @click.option("--stream", is_flag=True,
@@ -226,28 +239,30 @@ def invoke(name, url, text, voice, reference, reference_text, output, fmt, seed,
            repetition_penalty, max_new_tokens, chunk_length, sample_rate, stream, is_async, input_location, timeout,
            poll, region, profile, endpoint_url):
     """Synthesize TEXT on endpoint NAME (or --url) and write the audio."""
-    from fish_sm.aws import invoke as inv
     from fish_sm.aws.s3 import parse_s3_uri
+    from fish_sm.clients.endpoint import EndpointTarget, invoke_async
+    from fish_sm.clients.request import build_request, check_stream, format_for
+    from fish_sm.clients.url import UrlTarget
 
     _one_target(("NAME", name), ("--url", url))
     if is_async and url:
         raise click.UsageError("--async is for SageMaker endpoints, not --url")
-    fmt = inv.format_for(output, fmt)
+    fmt = format_for(output, fmt)
     if stream:
-        inv.check_stream(fmt, is_async=is_async, sample_rate=sample_rate)
-    request = inv.build_request(text, voice=voice, reference=reference, reference_text=reference_text, fmt=fmt,
-                                stream=stream, seed=seed, temperature=temperature, top_p=top_p,
-                                repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
-                                chunk_length=chunk_length, sample_rate=sample_rate)
-    accept = inv.ACCEPT[fmt]
+        check_stream(fmt, is_async=is_async, sample_rate=sample_rate)
+    request = build_request(text, voice=voice, reference=reference, reference_text=reference_text, fmt=fmt,
+                            stream=stream, seed=seed, temperature=temperature, top_p=top_p,
+                            repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
+                            chunk_length=chunk_length, sample_rate=sample_rate)
+    accept = AUDIO_TYPES[fmt]
     if url:
-        response = inv.UrlTarget(url, timeout_s=timeout).send(request, accept)
+        response = UrlTarget(url, timeout_s=timeout).send(request, accept)
     elif is_async:
         loc = parse_s3_uri(input_location, what="--input-location", prefix=True) if input_location else None
-        response = inv.invoke_async(_aws(region, profile, endpoint_url), name, request, accept, input_location=loc,
-                                    timeout_s=timeout, poll_s=poll, log=click.echo)
+        response = invoke_async(_aws(region, profile, endpoint_url), name, request, accept, input_location=loc,
+                                timeout_s=timeout, poll_s=poll, log=click.echo)
     else:
-        response = inv.EndpointTarget(_aws(region, profile, endpoint_url), name).send(request, accept)
+        response = EndpointTarget(_aws(region, profile, endpoint_url), name).send(request, accept)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(response.body)
     seconds = response.audio_seconds
@@ -273,7 +288,7 @@ def invoke(name, url, text, voice, reference, reference_text, output, fmt, seed,
 @click.option("--texts", type=click.Path(dir_okay=False, path_type=Path),
               help="One text (or JSON request) per line; default: a built-in set of varied length.")
 @click.option("--voice", help="A packaged voice for every request.")
-@click.option("--format", "fmt", type=click.Choice(["wav", "flac", "ogg", "mp3", "pcm"]), default="wav",
+@click.option("--format", "fmt", type=click.Choice(list(AUDIO_TYPES)), default="wav",
               show_default=True)
 @click.option("--stream", is_flag=True,
               help="Every request streams (batching server; wav or pcm; endpoints through "
@@ -293,8 +308,12 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
     requests rejected by a full server, and with --stream the time to first audio."""
     import contextlib
 
-    from fish_sm.aws import bench as b
-    from fish_sm.aws.invoke import ACCEPT, EndpointTarget, UrlTarget, check_stream
+    from fish_sm.clients import bench as b
+    from fish_sm.clients.endpoint import EndpointTarget
+    from fish_sm.clients.local_server import local_server
+    from fish_sm.clients.report import format_table, write_html, write_json
+    from fish_sm.clients.request import check_stream
+    from fish_sm.clients.url import UrlTarget
 
     _one_target(("NAME", name), ("--url", url), ("--local", local))
     if stream:
@@ -306,19 +325,19 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
     with contextlib.ExitStack() as stack:
         if local:
             click.echo(f"starting fish-sm serve {local} ...")
-            url = stack.enter_context(b.local_server(local, log_path=out_dir / "serve.log",
-                                                     startup_timeout_s=startup_timeout))
+            url = stack.enter_context(local_server(local, log_path=out_dir / "serve.log",
+                                                   startup_timeout_s=startup_timeout))
             click.echo(f"serving at {url} (log: {out_dir / 'serve.log'})")
         if url:
             target = UrlTarget(url, timeout_s=timeout)
         else:
             target = EndpointTarget(_aws(region, profile, endpoint_url, max_pool_connections=max(levels) + 2), name)
         report = b.run_bench(target, concurrencies=levels, requests_per_level=n_requests, texts=text_list, base=base,
-                             accept=ACCEPT[fmt], warmup=warmup, stream=stream, log=click.echo)
-    json_path = b.write_json(report, out_dir / "bench.json")
-    click.echo(b.format_table(report))
+                             accept=AUDIO_TYPES[fmt], warmup=warmup, stream=stream, log=click.echo)
+    json_path = write_json(report, out_dir / "bench.json")
+    click.echo(format_table(report))
     click.echo(f"wrote {json_path}")
-    html_path = b.write_html(report, out_dir / "bench.html")
+    html_path = write_html(report, out_dir / "bench.html")
     click.echo(f"wrote {html_path}")
 
 
@@ -339,6 +358,7 @@ def transform(name, source, dest, instances, instance_type, wait, download, poll
     """Run a Batch Transform job with the model of endpoint (or model) NAME over JSON Lines."""
     from fish_sm.aws.s3 import S3Uri, download_file, parse_s3_uri
     from fish_sm.aws.transform import run_transform
+    from fish_sm.cli.progress import ByteProgress
 
     if download and not wait:
         raise click.UsageError("--download needs the job to finish: leave out --no-wait")
@@ -356,7 +376,8 @@ def transform(name, source, dest, instances, instance_type, wait, download, poll
         uri = S3Uri(out.bucket, o["Key"])
         line = f"  {uri}  {_human(o.get('Size', 0))}"
         if download:
-            line += f" -> {download_file(aws, uri, download / o['Key'][len(out.key):])}"
+            with ByteProgress(f"downloading {Path(uri.key).name}") as bar:
+                line += f" -> {download_file(aws, uri, download / o['Key'][len(out.key):], progress=bar)}"
         click.echo(line)
 
 
@@ -367,7 +388,7 @@ def transform(name, source, dest, instances, instance_type, wait, download, poll
 @friendly_errors
 def status(name, as_json, region, profile, endpoint_url):
     """Show endpoint NAME: state, instances, async config, autoscaling, alarms."""
-    from fish_sm.aws.deploy import status as endpoint_status
+    from fish_sm.aws.status import status as endpoint_status
 
     s = endpoint_status(_aws(region, profile, endpoint_url), name)
     if as_json:
@@ -397,7 +418,7 @@ def status(name, as_json, region, profile, endpoint_url):
 @friendly_errors
 def delete(name, region, profile, endpoint_url):
     """Delete endpoint NAME and its configs, models, autoscaling and alarms (safe to repeat)."""
-    from fish_sm.aws.deploy import delete as delete_endpoint
+    from fish_sm.aws.delete import delete as delete_endpoint
 
     aws = _aws(region, profile, endpoint_url)
     removed = delete_endpoint(aws, name)

@@ -26,11 +26,13 @@ def serve(model_dir: Path, port: int, host: str, workers: int | None, response_t
 
     Settings come from FISH_SM_* environment variables (see the README).
     """
-    from fish_sm.serving.server import ServerConfig, serve as run_mms
+    from fish_sm.serving.runtime import ServerConfig
     from fish_sm.settings import Settings
 
     cfg = ServerConfig(model_dir, port=port, host=host, workers=workers, response_timeout=response_timeout)
     if (server or Settings.from_env().server) == "mms":
+        from fish_sm.serving.mms.launcher import serve as run_mms
+
         raise SystemExit(run_mms(cfg))
     if workers is not None:
         raise click.UsageError("--workers is for --server mms; the batching server runs one engine per GPU")

@@ -21,9 +21,8 @@ A piece goes through the codec in two halves:
   as ~600 separate kernels).
 A stream's last piece, when shorter than its scheduled length, has its front padded to it
 (the front's graph for that index) and its back run over the shortest scheduled length that
-holds it (a captured graph too): the decoder is causal, so the samples kept are those it
-would give alone. (The back is most of the codec's work, and a 200-frame stream's last
-piece of 12 frames ran the back over 64: a fifth of its back's work, wasted; eleventh pass.)
+holds it (a captured graph too), not the whole scheduled length: the decoder is causal, so
+the samples kept are those it would give alone.
 """
 
 from __future__ import annotations
@@ -38,7 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fish_sm.engine.generate import batch_sizes
-from fish_sm.model.codec import CausalConv1d, CausalConvTranspose1d, Codec, KVCache, State
+from fish_sm.model.codec import Codec
+from fish_sm.model.codec.layers import CausalConv1d, CausalConvTranspose1d, KVCache, State
 
 
 def piece_frames(index: int, first: int, largest: int) -> int:
@@ -113,8 +113,7 @@ class Captures:
     keeps the workspace of the stream it was captured on. Captured on `torch.cuda.graph`'s
     default stream, from the thread that captured the decode step's graphs there too, the
     codec's products shared the decode graphs' workspace, and the two replay side by side on
-    two streams: with TF32 matmuls in the fronts' graphs, the GPU stalled for 5-35 s at a time
-    (docs/benchmarks.md, fifteenth and sixteenth passes).
+    two streams: with TF32 matmuls in the fronts' graphs, the GPU stalled for seconds at a time.
 
     `tf32`: the fronts' float32 matmuls on TF32 tensor cores, as cuDNN already runs the
     codec's float32 convolutions. The flag is process-wide, so it is on only while a front is
@@ -146,7 +145,7 @@ def backend_flag(backend, name: str, value):
 
 
 def _captured_decode(codec: Codec, codes: Tensor, state: State, warm_up: State, captures: Captures) -> tuple:
-    """`codec.quantizer.decode(codes, state)` captured as a CUDA graph, after one run outside
+    """`codec.decode_front(codes, state)` captured as a CUDA graph, after one run outside
     it on `warm_up`, a copy of the state (cuDNN plans, workspaces): (graph, its latents);
     `state` then holds the graph's output state."""
     device = codes.device
@@ -154,11 +153,11 @@ def _captured_decode(codec: Codec, codes: Tensor, state: State, warm_up: State, 
     side.wait_stream(torch.cuda.current_stream(device))
     with captures.matmuls():
         with torch.cuda.stream(side):
-            codec.quantizer.decode(codes, warm_up)
+            codec.decode_front(codes, warm_up)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with captures.graph(graph):
-            latents = codec.quantizer.decode(codes, state)
+            latents = codec.decode_front(codes, state)
     return graph, latents
 
 
@@ -167,7 +166,7 @@ class PieceGraph:
     in, latents and state out (spare rows run on stale inputs; their results are dropped)."""
 
     def __init__(self, codec: Codec, template: State, frames: int, rows: int, captures: Captures):
-        device = codec._param.device
+        device = codec.device
         self.layout, inputs = _flatten(template)
         self.inputs = [t.expand(rows, *t.shape[1:]).clone() for t in inputs]
         self.codes = torch.zeros(rows, codec.n_rows, frames, dtype=torch.long, device=device)
@@ -228,18 +227,17 @@ class FullFronts:
     it falls in the utterance but for its positions, and its transformer's KV caches never
     outgrow the window. So each row's positions are an input (`Transformer._rows`) and a
     cache not yet full is padded on the left (masked): streams at different indices share
-    a batch, and on CUDA one graph per batch size serves every index. (Run one stream at a
-    time, these fronts were 29% of the codec's GPU time at 32 streams; eleventh pass.)"""
+    a batch, and on CUDA one graph per batch size serves every index, where fronts run one
+    stream at a time would take much of the codec's GPU time."""
 
     POSITIONS = 1 << 15  # frames the RoPE tables are sized for (~25 minutes); later pieces run alone
 
     def __init__(self, codec: Codec, frames: int, rows: int, captures: Optional[Captures]):
         self.codec, self.frames, self.rows, self.captures = codec, frames, rows, captures
         self.use_graphs = captures is not None
-        post = codec.quantizer.post_module  # the decode's one transformer, if any
-        self.usable = post is None or post.window is not None
-        if post is not None and self.usable:
-            post.rope(0, self.POSITIONS, codec._param.device)  # sized once, before any graph reads it
+        self.usable = codec.front_state_bounded()
+        if self.usable:
+            codec.front_rope(self.POSITIONS)  # sized once, before any graph reads it
         self.graphs: dict[int, RowsGraph] = {}
 
     def takes(self, stream: CodecStream, frames: int) -> bool:
@@ -256,7 +254,7 @@ class FullFronts:
             device = codes.device
             starts = [torch.tensor(col, device=device) for col in zip(*(r[0] for r in rows))]
             state = _assemble(streams[0].state, starts, [torch.cat(col) for col in zip(*(r[1] for r in rows))])
-            latents = self.codec.quantizer.decode(codes, state)
+            latents = self.codec.decode_front(codes, state)
             outputs = _split(state)[1]
         for i, stream in enumerate(streams):
             stream.state = self._moved_on(stream.state, [t[i : i + 1] for t in outputs])
@@ -293,7 +291,7 @@ class RowsGraph:
     codes in; latents and states out (spare rows run on stale inputs; their results are dropped)."""
 
     def __init__(self, codec: Codec, like: State, frames: int, rows: int, captures: Captures):
-        device = codec._param.device
+        device = codec.device
         template = {}
         for module, value in like.items():
             if isinstance(value, Tensor):
@@ -313,7 +311,7 @@ class RowsGraph:
         self.graph, self.latents = _captured_decode(codec, self.codes, state, warm_up, captures)
         self.outputs = _split(state)[1]
         # The RoPE table it reads, kept alive should the transformer regrow its own.
-        self.table = None if codec.quantizer.post_module is None else codec.quantizer.post_module._rope
+        self.table = codec.front_rope(FullFronts.POSITIONS)
 
     def __call__(self, rows: list[tuple[list, list[Tensor]]], codes: Tensor) -> tuple[Tensor, list[Tensor]]:
         b = len(rows)
@@ -339,14 +337,14 @@ class ConvBack(nn.Module):
     On CUDA, (rows, length) pairs captured by `capture` replay as graphs (a batch runs in
     the smallest captured row count that holds it; the spare rows' results are dropped):
     the compiled code's own launches would hold the GIL the decode loop needs. On CUDA it
-    also runs over channels-last [B, C, 1, T] tensors (`conv_2d`): 12% faster on an H100."""
+    also runs over channels-last [B, C, 1, T] tensors (`conv_2d`), which cuDNN reads as they are."""
 
     def __init__(self, codec: Codec, compiled: bool, channels_last: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
-        self.dtype = dtype or codec._param.dtype
+        self.dtype = dtype or codec.dtype
         # Another dtype: a copy of the decoder in it (the codec's own decodes whole utterances).
-        self.decoder = codec.decoder if self.dtype == codec._param.dtype else copy.deepcopy(codec.decoder).to(self.dtype)
-        self.audio_dtype = codec._param.dtype
+        self.decoder = codec.decoder if self.dtype == codec.dtype else copy.deepcopy(codec.decoder).to(self.dtype)
+        self.audio_dtype = codec.dtype
         self.latent_dim = codec.config.latent_dim
         self.steps = codec.frame_length // codec.config.hop_length  # latent steps per code frame
         self.channels_last = channels_last  # [B, C, 1, T] in channels-last memory (`conv_2d`)
@@ -356,7 +354,8 @@ class ConvBack(nn.Module):
                     m.prepare_2d()
         template: dict = {}
         with torch.inference_mode():
-            self.decoder(self._layout(codec._param.new_zeros(1, self.latent_dim, 1, dtype=self.dtype)), template)
+            silence = torch.zeros(1, self.latent_dim, 1, dtype=self.dtype, device=codec.device)
+            self.decoder(self._layout(silence), template)
         self.stateful = [m for m in self.decoder.modules() if m in template]
         self.shapes = [tuple(template[m].shape[1:]) for m in self.stateful]
         self.dtypes = [template[m].dtype for m in self.stateful]  # not all one under autocast
@@ -387,9 +386,7 @@ class ConvBack(nn.Module):
 
         cuDNN picks each conv's kernel by timing its candidates (benchmark mode) in the run
         before the capture, which the capture then finds in its cache: its heuristics' picks
-        for these channels-last shapes were slower (the back 0.29 s instead of 0.36 s for 32
-        streams of 200 frames on an H100, docs/benchmarks.md, fourteenth pass), for a longer
-        start-up (the codec's captures: 65 s became 116 s there)."""
+        for these channels-last shapes were slower, worth the longer start-up."""
         latents, contexts = self.silence(rows, frames), self.initial(rows)
         with cudnn_benchmark():
             self._run(latents, contexts)  # compiled for this shape, and warmed up, outside the graph
@@ -436,19 +433,15 @@ class StreamingCodec:
         self.max_batch_frames = max_batch_frames
         self.max_rows = self.rows_for(largest)  # full-length pieces in one batch
         self.graphs: dict[tuple[int, int], PieceGraph] = {}  # (piece index, rows) -> its front
-        self.use_graphs = codec._param.device.type == "cuda"
-        # Its own stream and pool; TF32 fronts (`Captures`): 32 streams of 200 frames alone went
-        # from 20,788 to 23,915 frames/s on an H100, at 51.2 dB SNR (docs/benchmarks.md, fifteenth pass).
+        self.use_graphs = codec.device.type == "cuda"
+        # Its own stream and pool (`Captures`); TF32 fronts: faster, at ~51 dB SNR against float32.
         self.front_tf32 = front_tf32  # (on CUDA: the CPU captures no graphs)
-        self.captures = Captures(codec._param.device, tf32=front_tf32) if self.use_graphs else None
+        self.captures = Captures(codec.device, tf32=front_tf32) if self.use_graphs else None
         # The back in float16 on CUDA (`back_dtype` None, a float32 codec): its inputs rounded to
-        # 10-bit mantissas, as cuDNN's TF32 convolutions round them, on tensor cores twice as
-        # fast. On an H100: 32 streams of 200 frames decoded at 20,788 frames/s against 15,933
-        # alone, 5,674 frames/s against ~4,800 beside the decode loop; audio at 51.3 dB SNR
-        # against float32 without TF32 (53.4 dB).
+        # 10-bit mantissas, as cuDNN's TF32 convolutions round them, on tensor cores twice as fast.
         if back_dtype is None:
-            fp32 = codec._param.dtype == torch.float32
-            back_dtype = torch.float16 if self.use_graphs and fp32 else codec._param.dtype
+            fp32 = codec.dtype == torch.float32
+            back_dtype = torch.float16 if self.use_graphs and fp32 else codec.dtype
         self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype)
         self.full = FullFronts(codec, largest, self.max_rows, self.captures)
 
@@ -480,9 +473,8 @@ class StreamingCodec:
         """One piece each of different streams -> their audio, in order. A stream's last piece
         may be shorter than scheduled: its front is padded to the scheduled length and runs with
         the others, its back runs over `back_frames` of it (the decoder is causal, so the samples
-        kept are those it would give alone), and its audio is cut back. (Run alone and eagerly,
-        the last pieces of streams that end together went one after another, and new requests'
-        first pieces waited behind them.)"""
+        kept are those it would give alone), and its audio is cut back: last pieces of streams
+        that end together run as one batch, not one after another ahead of new requests'."""
         frames = [codes.shape[-1] for _, codes in pieces]
         scheduled = [self.next_frames(stream) for stream, _ in pieces]
         pieces = [(stream, F.pad(codes, (0, s - n))) for (stream, codes), n, s in zip(pieces, frames, scheduled)]
@@ -508,7 +500,7 @@ class StreamingCodec:
     def _fronts(self, pieces: list[tuple[CodecStream, Tensor]]) -> list[Tensor]:
         """The fronts' latents, in order: pieces (of the scheduled length) at the same index
         stack, and full-length ones at any index (`FullFronts`)."""
-        device = self.codec._param.device
+        device = self.codec.device
         latents: list[Optional[Tensor]] = [None] * len(pieces)
         groups: dict[Optional[int], list[int]] = {}  # piece index -> pieces; None: full-length ones
         for i, (stream, codes) in enumerate(pieces):
@@ -531,7 +523,7 @@ class StreamingCodec:
         if self.use_graphs and index < self.max_graphs:
             return self._graph(index, len(streams), streams[0].state)(streams, codes)
         state = _stack(streams)
-        z = self.codec.quantizer.decode(codes, state)
+        z = self.codec.decode_front(codes, state)
         _unstack(state, streams)
         return z
 
@@ -548,7 +540,7 @@ class StreamingCodec:
     def working_bytes(self) -> int:
         """GPU memory the back's largest batches take while they run (what the KV cache must
         leave room for), measured as they will run: compiled, which compiles it now."""
-        device = self.codec._param.device
+        device = self.codec.device
         if device.type != "cuda":
             return 0
         most = 0
@@ -570,7 +562,7 @@ class StreamingCodec:
         at 1, 2, 4, ... rows (which compiles it)."""
         if not self.use_graphs:
             return
-        device, alone = self.codec._param.device, CodecStream()
+        device, alone = self.codec.device, CodecStream()
         lengths = [piece_frames(index, self.first, self.largest) for index in range(min(pieces, self.max_graphs))]
         for index, n in enumerate(lengths):
             if self.full.takes(alone, n):

@@ -21,17 +21,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fish_sm.errors import FishSMError, InputError
+from fish_sm import kernels
+from fish_sm.contract import DEFAULT_CHUNK_LENGTH, SamplingParams
 from fish_sm.engine.audio import AudioInput, load_reference_audio
 from fish_sm.engine.generate import GraphedStep, HostCopy, decode_frame, generate_frames, to_device
 from fish_sm.engine.prompt import chunk_prompt
-from fish_sm.contract import DEFAULT_CHUNK_LENGTH, SamplingParams
 from fish_sm.engine.text import split_text
+from fish_sm.errors import InputError
 from fish_sm.model.checkpoint import find_model_file
 from fish_sm.model.codec import Codec, load_codec
 from fish_sm.model.config import ModelConfig
 from fish_sm.model.dual_ar import DualARTransformer, load_dual_ar
-from fish_sm.model.layers import Int8Embedding
 from fish_sm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("fish_sm.engine")
@@ -78,6 +78,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 class Engine:
     def __init__(self, model: DualARTransformer, codec: Codec, tokenizer: Tokenizer, reference_cache_size: int = 64):
+        kernels.install(model)  # the kernels that need no compiling; `compile` adds the rest
         self.model, self.codec, self.tokenizer = model, codec, tokenizer
         self.config: ModelConfig = model.config
         self.device = model.device
@@ -112,29 +113,13 @@ class Engine:
     # -- speed ----------------------------------------------------------------------
 
     def quantize_int8(self) -> None:
-        """INT8 weight-only quantization of the transformer's linear layers (torchao) and of
-        its two large embedding tables (token and codebook: 0.4 GB in bf16, `Int8Embedding`).
-
-        Halves the bytes read per frame and the weights' memory. The fast transformer's small
-        codebook table and head (1,024 rows each, read nine times a frame) and the codec stay
-        as they are: at one row, the fast head's INT8 product was a 35 µs kernel against 4 µs
-        in bf16, 11% of an INT8 frame (ninth pass).
-        """
-        try:
-            from torchao.quantization import Int8WeightOnlyConfig, quantize_
-        except ImportError:
-            raise FishSMError("INT8 quantization needs torchao matching this torch (pip install torchao), "
-                              "or turn it off (FISH_SM_QUANTIZE=none)") from None
-        # Not torchao's process-wide inductor settings: the decode step sets its own
-        # (dual_ar.ONE_ROW_OPTIONS), and the codec's compile should not inherit them.
-        quantize_(self.model, Int8WeightOnlyConfig(set_inductor_config=False),
-                  filter_fn=lambda m, _: isinstance(m, torch.nn.Linear) and m is not self.model.fast_output)
-        for name in ("embeddings", "codebook_embeddings"):
-            setattr(self.model, name, Int8Embedding(getattr(self.model, name).weight))
+        """INT8 weight-only quantization of the transformer (`kernels.quantize_int8`): half the
+        weights' memory and of the bytes read per frame. The codec stays as it is."""
+        kernels.quantize_int8(self.model)
 
     @property
     def quantized(self) -> bool:
-        return self.model.quantized
+        return kernels.quantized(self.model)
 
     def compile(self) -> None:
         """Make a decode frame (slow step, all fast steps, all sampling) one launch.
@@ -157,6 +142,15 @@ class Engine:
     @property
     def compiled(self) -> bool:
         return self._step is not None
+
+    @property
+    def step(self):
+        """The compiled decode frame (`GraphedStep` on a GPU), or None before `compile`."""
+        return self._step
+
+    def drop_compiled(self) -> None:
+        """Forget the compiled decode step: its graphs point at a KV cache that is being replaced."""
+        self._step = None
 
     # -- references ---------------------------------------------------------------
 

@@ -16,33 +16,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from typing import Callable, Iterator, NamedTuple
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fish_sm.errors import InputError
-from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE
-from fish_sm.model.dual_ar import DualARTransformer, compile_decode
-from fish_sm.engine import sampling_kernels
+from fish_sm import kernels
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.sampling import PENALTY_WINDOW, head_penalty_indices, logits_to_probs, sampling_tensors
-
-
-# Whether the one-row pickers' graphs get the decode step's coordinate-descent tuning
-# (dual_ar.ONE_ROW_OPTIONS). They do not: torch 2.11 tunes their nine kernels again at every
-# warm start although the autotune cache holds their configs (~15 s of a 39 s start), and on
-# an H100 the tuning bought nothing: 862 kernels a frame and 362.7 frames/s untuned against
-# 362.4 tuned (docs/benchmarks.md, seventh pass).
-PICKERS_TUNED = {"head": False, "residual": False}
-
-# Whether the batching engine's steps pick with `sampling_kernels` (a switch for A/B runs).
-ROW_KERNELS = True
-
-# Whether steps of several rows run the fast transformer's first two positions as one pass
-# (`DualARTransformer.forward_fast_pair`; a switch for A/B runs). One row keeps two passes: on
-# `row_products` its first is three products short (`forward_fast`'s `cache_only`).
-FAST_PAIR = True
+from fish_sm.errors import InputError
+from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE
+from fish_sm.model.dual_ar import DualARTransformer
 
 
 def noise_size(model: DualARTransformer) -> int:
@@ -64,32 +49,12 @@ def pick_residual(model: DualARTransformer, hidden: Tensor, noise: Tensor, tempe
     return pick(model.fast_logits(hidden), noise, temperature, top_p, penalty, previous, sort_free)
 
 
-def pick_head_kernels(model: DualARTransformer, logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor,
-                      penalty: Tensor, window: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The slow head's pick as kernels of our own (`sampling_kernels`): its token,
-    its code and the code's embedding (the fast transformer's first input)."""
-    return sampling_kernels.sample_head(logits, noise, temperature, top_p, penalty,
-                                        None if window is None else window[:, :, 0], model.semantic_begin_id,
-                                        model.im_end_id, model.fast_embeddings.weight)
-
-
-def pick_residual_kernels(model: DualARTransformer, hidden: Tensor, noise: Tensor, temperature: Tensor,
-                          top_p: Tensor, penalty: Tensor, previous: Tensor | None, next_input: bool,
-                          fast_logits: Callable[[DualARTransformer, Tensor], Tensor] | None = None
-                          ) -> tuple[Tensor, Tensor | None]:
-    """`pick_residual` as kernels of our own (`sampling_kernels`), with the next fast step's
-    input (the code's embedding). `fast_logits`: the fast head as compiled for several rows."""
-    logits = model.fast_logits(hidden) if fast_logits is None else fast_logits(model, hidden)
-    return sampling_kernels.sample_residual(logits, noise, temperature, top_p, penalty, previous,
-                                             model.fast_embeddings.weight, next_input)
-
-
 class Pickers(NamedTuple):
     """The functions `sample_frame` picks codes with: these, eager, or their compiled
     versions (the graphs': head, nucleus, softmax and draw in a few fused kernels).
     `head_with_input`, `residual_with_input`: instead of `head` and `residual`, pickers that
     also return the code's embedding, the head's with its token and code
-    (`pick_head_kernels`, `pick_residual_kernels`)."""
+    (`kernels.pick_head_kernels`, `kernels.pick_residual_kernels`)."""
     head: Callable[..., Tensor] = pick
     residual: Callable[..., Tensor] = pick_residual
     head_with_input: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
@@ -117,11 +82,13 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
         code = torch.where(is_end, 0, row)
         x = model.fast_embeddings(code)
     codes = [code]
-    pair = FAST_PAIR and hidden.shape[0] > 1
-    if pair:  # positions 0 and 1 in one pass: h is position 1's output
+    # Several rows: the fast transformer's positions 0 and 1 in one pass (h is position 1's
+    # output); one row keeps two, as on the row-product kernels the first is three products short.
+    pair = hidden.shape[0] > 1
+    if pair:
         h = model.forward_fast_pair(hidden, x)
     else:
-        model.forward_fast(hidden, 0, cache_only=True)  # fills position 0 of the fast cache; its logits are unused
+        model.prime_fast(hidden)
     for i in range(1, c.num_codebooks):
         if i > 1 or not pair:
             h = model.forward_fast(x, i)
@@ -159,13 +126,12 @@ FrameFn = Callable[..., Tensor]
 LIVE_BUCKET = 256  # cache slots; the compiled step reads at most this many more than it needs up to 2,048
 
 
-def attention_bucket(max_seq_len: int, live: int) -> int:
+def attention_bucket(max_seq_len: int, live: int, bucket: int = LIVE_BUCKET) -> int:
     """The cache slots the compiled step attends over for `live` used ones: the next multiple
-    of 256 up to 2,048 (where the batching engine runs), of 512 up to 4,096, then of 1,024.
-    16 graphs a batch size for 8,192 slots, not 32: each costs start-up time (a cuDNN plan,
-    a capture), while on an H100 a single query over 4,096 slots takes 9.4 µs against 7.7 µs
-    over 1,280, so 1,024 slots read in vain cost one frame ~17 µs (0.6%) at worst."""
-    step = LIVE_BUCKET if live <= 2048 else 2 * LIVE_BUCKET if live <= 4096 else 4 * LIVE_BUCKET
+    of `bucket` up to 2,048 (where the batching engine runs), of twice that up to 4,096, then
+    of four times. Fewer, longer buckets: each graph costs start-up time (a cuDNN plan, a
+    capture), while slots read in vain cost a frame little (~17 µs at worst on an H100)."""
+    step = bucket if live <= 2048 else 2 * bucket if live <= 4096 else 4 * bucket
     return min(max_seq_len, -(-live // step) * step)
 
 
@@ -181,8 +147,8 @@ def prefill_buckets(max_seq_len: int) -> list[int]:
     return sorted({prefill_bucket(max_seq_len, n) for n in range(1, max_seq_len)})
 
 
-def length_buckets(max_seq_len: int) -> list[int]:
-    return sorted({attention_bucket(max_seq_len, live) for live in range(1, max_seq_len + 1)})
+def length_buckets(max_seq_len: int, bucket: int = LIVE_BUCKET) -> list[int]:
+    return sorted({attention_bucket(max_seq_len, live, bucket) for live in range(1, max_seq_len + 1)})
 
 
 def batch_sizes(most: int) -> list[int]:
@@ -194,19 +160,22 @@ ADMISSION_MIN_WIDTH = 32
 ADMISSION_MAX_WIDTH = 512  # longer prompts' prefills are compute, not launches: not captured
 
 
-def admission_shape(batch: int, width: int, max_batch: int, max_seq_len: int) -> tuple[int, int]:
+def admission_shape(batch: int, width: int, max_batch: int, max_seq_len: int, min_width: int = ADMISSION_MIN_WIDTH,
+                    max_width: int = ADMISSION_MAX_WIDTH) -> tuple[int, int]:
     """The captured admission that `batch` prompts padded to `width` positions run in: the
-    next captured batch size, and the next power of two (at least 32); unchanged beyond
-    `ADMISSION_MAX_WIDTH`."""
-    if width > min(ADMISSION_MAX_WIDTH, max_seq_len):
+    next captured batch size, and the next power of two (at least `min_width`); unchanged
+    beyond `max_width`."""
+    if width > min(max_width, max_seq_len):
         return batch, width
     rows = next((b for b in batch_sizes(max_batch) if b >= batch), batch)
-    return rows, min(max_seq_len, max(ADMISSION_MIN_WIDTH, 1 << (width - 1).bit_length()))
+    return rows, min(max_seq_len, max(min_width, 1 << (width - 1).bit_length()))
 
 
-def admission_shapes(max_batch: int, max_seq_len: int, max_tokens: int) -> list[tuple[int, int]]:
+def admission_shapes(max_batch: int, max_seq_len: int, max_tokens: int, min_width: int = ADMISSION_MIN_WIDTH,
+                     max_width: int = ADMISSION_MAX_WIDTH) -> list[tuple[int, int]]:
     """Every captured admission shape: of at most `max_tokens` padded positions."""
-    widths = {admission_shape(1, w, max_batch, max_seq_len)[1] for w in range(1, min(ADMISSION_MAX_WIDTH, max_seq_len) + 1)}
+    widths = {admission_shape(1, w, max_batch, max_seq_len, min_width, max_width)[1]
+              for w in range(1, min(max_width, max_seq_len) + 1)}
     return [(b, w) for w in sorted(widths) for b in batch_sizes(max_batch) if b * w <= max_tokens]
 
 
@@ -225,32 +194,38 @@ class GraphedStep:
     frame is a single launch of all its kernels with no Python or launch overhead between
     them; likewise the first frame after a prefill and (one row) the prefill itself.
     Inputs are copied into static buffers (the first B rows of buffers sized for
-    `max_batch`); the output buffer is reused by the next replay (callers clone it)."""
+    `max_batch`); the output buffer is reused by the next replay (callers clone it).
+    `compile_options`: keyword arguments of every `kernels.compile_decode` call (inductor's
+    options for the layers and pickers)."""
 
-    def __init__(self, model: DualARTransformer, max_batch: int = 1):
+    def __init__(self, model: DualARTransformer, max_batch: int = 1, compile_options: Mapping = MappingProxyType({})):
         dev, rows = model.device, 1 + model.config.num_codebooks
         self.model = model
-        # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels;
-        # the graphs then replay those kernels.
-        model.compile_layers(dynamic_batch=max_batch > 1)
-        # One row: the residual codebooks' nucleus without a sort (see sampling.PAIRWISE_MAX_VOCAB);
-        # on `row_products`, the heads read no torchao tensors: dependent launch as in bf16.
-        self.pickers_one = Pickers(*(compile_decode(functools.partial(f, sort_free=True), one_row=True, tune=tune,
-                                                    int8=model.quantized and not model.row_steps)
-                                     for f, tune in ((pick, PICKERS_TUNED["head"]), (pick_residual, PICKERS_TUNED["residual"]))))
-        # On `row_products`, each pick and the next fast step's lookup as kernels of their own:
-        # two a pick, instead of six a residual code and about twenty for the slow head.
-        if model.row_steps and sampling_kernels.usable(dev):
-            self.pickers_one = self.pickers_one._replace(head_with_input=pick_head_kernels,
-                                                         residual_with_input=pick_residual_kernels)
-        self.pickers_many = Pickers(*(compile_decode(f, one_row=False) for f in (pick, pick_residual)))
-        # Several rows: each pick as one kernel a row (`sampling_kernels._pick_rows`) instead of
-        # a sort and ~ten more kernels; the fast head's norm and product still compiled.
-        if sampling_kernels.usable(dev) and ROW_KERNELS:
-            fast_logits = compile_decode(DualARTransformer.fast_logits, one_row=False)  # norm fused, product cuBLAS
+        # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels
+        # (or, one row, our kernels); the graphs then replay those kernels.
+        mode = kernels.BATCHING if max_batch > 1 else kernels.SEQUENTIAL
+        fast = kernels.install(model, mode, compile_options=compile_options)
+        # One row: the residual codebooks' nucleus without a sort (see sampling.PAIRWISE_MAX_VOCAB),
+        # untuned (torch retuned them at every warm start, for nothing); on the row-product
+        # kernels the heads read no torchao tensors: dependent launch as in bf16.
+        int8 = kernels.quantized(model) and not fast.rows
+        self.pickers_one = Pickers(*(kernels.compile_decode(functools.partial(f, sort_free=True), one_row=True,
+                                                            tune=False, int8=int8, **compile_options)
+                                     for f in (pick, pick_residual)))
+        # On the row-product kernels, each pick and the next fast step's lookup as kernels of
+        # our own: two a pick, instead of six a residual code and about twenty for the slow head.
+        if fast.rows and fast.picks:
+            self.pickers_one = self.pickers_one._replace(head_with_input=kernels.pick_head_kernels,
+                                                         residual_with_input=kernels.pick_residual_kernels)
+        self.pickers_many = Pickers(*(kernels.compile_decode(f, one_row=False, **compile_options)
+                                      for f in (pick, pick_residual)))
+        # Several rows: each pick as one kernel a row instead of a sort and ~ten more kernels;
+        # the fast head's norm and product still compiled (the product cuBLAS's).
+        if fast.picks:
+            fast_logits = kernels.compile_decode(DualARTransformer.fast_logits, one_row=False, **compile_options)
             self.pickers_many = self.pickers_many._replace(
-                head_with_input=pick_head_kernels,
-                residual_with_input=functools.partial(pick_residual_kernels, fast_logits=fast_logits))
+                head_with_input=kernels.pick_head_kernels,
+                residual_with_input=functools.partial(kernels.pick_residual_kernels, fast_logits=fast_logits))
         # Inference tensors, like everything a replay computes: a compiled function sees one
         # kind of tensor from every caller (a buffer made outside inference mode would make
         # dynamo compile each layer half and sampler a second time for it).
@@ -299,10 +274,9 @@ class GraphedStep:
         capturing it: what that run is for (compiling, tuning, first launches, workspaces) is
         then done, since the next buckets differ only in lengths that compiled code does not
         see, and kernels a later bucket launches for the first time load inside the capture
-        (CUDA 12.3 and later). On an H100, an INT8 warm start's 17 later prefill captures took
-        1.7 s against 2.5-2.8 s, its 15 later decode captures 0.4-0.7 s against 0.9-1.1 s
-        (docs/benchmarks.md, twenty-third pass). A driver before CUDA 12.3 fails such a capture,
-        and torch does not recover from a failed one, so there every capture warms up."""
+        (CUDA 12.3 and later), which makes warm starts shorter. A driver before CUDA 12.3 fails
+        such a capture, and torch does not recover from a failed one, so there every capture
+        warms up."""
         for batch in batches:
             for i, bucket in enumerate(length_buckets(self.model.max_seq_len)):
                 self._timed("traced" if not self.graphs else "decode", self.capture, batch, bucket, i == 0)
@@ -415,8 +389,7 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     """A host tensor on `device` without a synchronous copy (CUDA: staged in pinned memory,
     then copied asynchronously on the current stream). A pageable copy waits in the driver
     for the stream's queued work, and while it waits other threads' CUDA calls can block
-    too: the codec thread's pageable copies held the decode loop's event records for a
-    whole codec batch (~30 ms; thirteenth pass, decode_stalls.py)."""
+    too (the codec thread's copies would hold the decode loop's for a whole codec batch)."""
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from fish_sm.errors import CheckpointError
-from fish_sm.model.codec import CodecConfig, build_codec_state_dict
+from fish_sm.model.codec import CodecConfig
 from fish_sm.model.config import ModelConfig
-from fish_sm.model.dual_ar import expected_shapes
-from fish_sm.model.tokenizer import BASE_SPECIAL_TOKENS, train_byte_bpe, write_tokenizer
+from fish_sm.model.random_weights import build_codec_state_dict, random_model_state_dict, train_byte_bpe
+from fish_sm.model.tokenizer import BASE_SPECIAL_TOKENS, write_tokenizer
 
 FILES = ("config.json", "model.pth", "codec.pth", "tokenizer.tiktoken", "special_tokens.json")
 PRESETS = ("tiny", "s1-mini")
@@ -68,22 +68,6 @@ def _tokenizer_ranks(preset: str) -> dict[bytes, int]:
 
 def _padded_vocab(num_tokens: int) -> int:
     return math.ceil(num_tokens / 64) * 64
-
-
-def random_model_state_dict(config: ModelConfig, seed: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Random weights for every tensor of `model.pth` under its upstream name: normal(0,
-    initializer_range) for matrices and embeddings, ones for norms, zeros for biases."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in expected_shapes(config).items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape)
-        elif name.endswith(".bias"):
-            t = torch.zeros(shape)
-        else:
-            t = torch.empty(shape).normal_(0.0, config.initializer_range, generator=gen)
-        out[name] = t.to(dtype)
-    return out
 
 
 def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:

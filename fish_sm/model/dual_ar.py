@@ -12,6 +12,9 @@ float32, GQA), so the official `model.pth` loads unchanged. Two things differ by
 design: the heads only have the rows that may be chosen (the slow head: the semantic
 tokens and `<|im_end|>`, see `head_rows`; the fast head: the residual codebooks' 1,024
 codes), and attention reads the live part of the KV cache only.
+
+Plain torch: the decode step's compiled and Triton paths are put in place from outside
+(`fish_sm.kernels.install`).
 """
 
 from __future__ import annotations
@@ -25,20 +28,9 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fish_sm.errors import CheckpointError
-from fish_sm.model import decode_attention, row_products, split_products
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE, ModelConfig
 from fish_sm.model.layers import RMSNorm, apply_rope, rope_table
 from fish_sm.model.weights import read_state_dict, strip_prefix, take
-
-
-def attached_product(owner: nn.Module, name: str, x: Tensor, norm: RMSNorm | None = None, res: Tensor | None = None,
-                     swiglu: bool = False) -> Tensor:
-    """`row_products.row_product` with the weights `row_products.attach` hung on `owner` as
-    `name`: of RMSNorm(x) by `norm` if given, of SwiGLU(x) with `swiglu`, plus `res` if given."""
-    prologue = row_products.NORM if norm is not None else row_products.SWIGLU if swiglu else row_products.PLAIN
-    return row_products.row_product(x, getattr(owner, f"rows_{name}"), getattr(owner, f"rows_{name}_scale"),
-                                    None if norm is None else norm.weight, res, prologue,
-                                    0.0 if norm is None else norm.eps, getattr(owner, "rows_ahead", {}).get(name))
 
 
 class KVCache(nn.Module):
@@ -80,8 +72,7 @@ class KVCache(nn.Module):
 
 def cache_rows(caches: list[KVCache], row: int, length: int) -> list[Tensor]:
     """Row `row`'s first `length` slots of every cache, as views: k then v of each in turn.
-    Copies between such lists go in one `torch._foreach_copy_` call: the batching loop moved a
-    request with a copy a cache from Python, ~3 ms a move of 28 layers (H100)."""
+    Copies between such lists go in one `torch._foreach_copy_` call, not one a cache from Python."""
     return [t.select(0, row).narrow(1, 0, length) for cache in caches for t in (cache.k, cache.v)]
 
 
@@ -132,10 +123,6 @@ class Attention(nn.Module):
         """Attention over k/v already in the cache (its first `live` slots)."""
         bsz, _, seqlen, _ = q.shape
         gqa = self.n_head != self.n_local_heads
-        if mask is not None and seqlen == 1 and decode_attention.usable(q, k, v):
-            # A decode step over a bucket of slots: its mask is "slot <= position" (forward_slow's),
-            # which the kernel applies itself, reading only each row's live slots.
-            return decode_attention.decode_attention(q, k, v, input_pos)
         if mask is not None:
             backends = contextlib.nullcontext()
             if seqlen > 1:
@@ -187,147 +174,17 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None,
                 row: int | Tensor = 0) -> Tensor:
-        if self.compiled is not None and x.shape[1] == 1 and isinstance(row, int) and row == 0:
-            return self.decode_step(x, rope, input_pos, live, mask)
-        pre, post = TransformerBlock._pre_attention, TransformerBlock._post_attention
-        if self.prefill_compiled is not None and x.shape[1] > 1:
-            pre, post = self.prefill_compiled  # admissions of the batching engine
-        q, k, v = pre(self, x, rope)
-        return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask, row))
+        """x [B, S, dim] at `input_pos` into cache rows `row` (see `Attention.attend`)."""
+        q, k, v = self._pre_attention(x, rope)
+        return self._post_attention(x, self.attention.attend(q, k, v, input_pos, live, mask, row))
 
-    def decode_step(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None) -> Tensor:
-        """S new positions (one; two for `DualARTransformer.forward_fast_pair`) of cache rows
-        0..B-1 on the compiled halves (see DualARTransformer.compile_layers): the first also
-        writes the step's k/v into the cache, attention runs between them."""
-        if self.compiled is None:  # eager
-            return self(x, rope, input_pos, live, mask)
-        if self.compiled[x.shape[0] > 1] is None:  # one row on the row-product kernels
-            return self._decode_row(x, rope, input_pos, live, mask)
-        if x.shape[0] > 1:
-            # The number of positions is part of each graph: dynamo, having seen one and then two,
-            # would otherwise generalise the halves to any number (as it does the batch), and on
-            # the CPU that code wrote wrong cache entries.
-            for t, dim in ((x, 1), (rope, rope.dim() - 3), (input_pos, input_pos.dim() - 1)):
-                torch._dynamo.mark_static(t, dim)
-        pre, post = self.compiled[x.shape[0] > 1]
-        q = pre(self, x, rope, input_pos)
-        k, v = self.attention.kv_cache.read(live, 0, x.shape[0])
-        return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
-
+    # The halves around attention, apart so that a decode step can compile them around it.
     def _pre_attention(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.attention.project(self.attention_norm(x), rope)
-
-    def _pre_attention_writing(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
-        """`_pre_attention`, then k/v into cache rows 0..B-1 at input_pos ([S], or [B, 1]).
-        The rows are named by a tensor, so the write indexes the whole cache rather than a
-        slice of it: inductor then writes in place (fused with RoPE) instead of copying the cache."""
-        q, k, v = self._pre_attention(x, rope)
-        rows = torch.arange(x.shape[0], device=x.device)
-        self.attention.kv_cache.write(input_pos.view(-1, x.shape[1]), k, v, rows)
-        return q
 
     def _post_attention(self, x: Tensor, y: Tensor) -> Tensor:
         h = x + self.attention.wo(y)
         return h + self.feed_forward(self.ffn_norm(h))
-
-    def _post_attention_split(self, x: Tensor, y: Tensor) -> Tensor:
-        """`_post_attention` of a step of several rows, wo and w2 with their residual adds as
-        `split_products` kernels (the same arithmetic)."""
-        h = split_products.split_product(y, self.attention.wo.weight, x, self.split_counts)
-        gated = self.feed_forward.gated(self.ffn_norm(h))
-        return split_products.split_product(gated, self.feed_forward.w2.weight, h, self.split_counts)
-
-    def split_products_readable(self) -> bool:
-        return split_products.readable(self.attention.wo) and split_products.readable(self.feed_forward.w2)
-
-    # A decode step of one row on `row_products` kernels (norms, SwiGLU and residual adds fused
-    # into the products); their weights are the buffers `attach_row_weights` sets.
-    PRODUCTS = {"wqkv": ("attention", "wqkv"), "wo": ("attention", "wo"), "w13": ("feed_forward", "w13"),
-                "w2": ("feed_forward", "w2")}
-
-    def row_products_readable(self) -> bool:
-        return all(row_products.readable(getattr(getattr(self, part), name)) for part, name in self.PRODUCTS.values())
-
-    def attach_row_weights(self) -> None:
-        for key, (part, name) in self.PRODUCTS.items():
-            row_products.attach(self, key, getattr(getattr(self, part), name))
-
-    def _decode_row(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None,
-                    cache_only: bool = False) -> Tensor:
-        """A decode step of one row (cache row 0) as five kernels of our own, each with the work
-        around it fused: norm and wqkv; QK-norm, RoPE, the cache write and attention over the
-        row's live slots (plus a kernel combining its pieces over long caches); wo and the
-        residual; norm and w13; SwiGLU, w2 and the residual (not with `cache_only`). Where the
-        kernels cannot run, the same arithmetic in torch."""
-        a = self.attention
-        qkv = attached_product(self, "wqkv", x, norm=self.attention_norm)
-        cache = a.kv_cache
-        k, v = cache.read(live, 0, 1)
-        if row_products.usable(qkv) and decode_attention.usable(qkv.view(1, -1, 1, a.head_dim), k, v):
-            q_norm, k_norm = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
-            y = decode_attention.attend_new_token(qkv, a.n_head, a.n_local_heads, q_norm, k_norm,
-                                                  a.q_norm.eps if a.q_norm is not None else 0.0, rope, cache.k, cache.v,
-                                                  input_pos, live)
-        else:
-            q, k_new, v_new = a.heads(qkv, rope)
-            y = a.attend(q, k_new, v_new, input_pos, live, mask)
-        if cache_only:  # the caller needs only the cache's new entries
-            return x
-        return self._post_attention_rows(x, y)
-
-    def _post_attention_rows(self, x: Tensor, y: Tensor) -> Tensor:
-        h = attached_product(self, "wo", y, res=x)
-        gate_up = attached_product(self, "w13", h, norm=self.ffn_norm)
-        return attached_product(self, "w2", gate_up, res=h, swiglu=True)
-
-    compiled: tuple | None = None  # ((pre, post) for one row, (pre, post) for several)
-    prefill_compiled: tuple | None = None
-
-
-# Inductor options for a decode step of one row. With coordinate-descent tuning, inductor
-# turns a one-row matmul into a tuned Triton reduction (bf16, or int8 converted as it is
-# read) and fuses into it the norm before it and the SwiGLU and residual add around it: on
-# an H100 a frame runs 862 kernels instead of 1,066, 8% more frames/s (docs/benchmarks.md,
-# fifth pass). Not the static launcher: torch 2.11 reloads its kernels from the compile
-# cache without their tuned configs and tunes them again at every start (what it launches
-# outside CUDA graphs is not on the decode path). Programmatic dependent launch (Hopper and
-# later; ignored elsewhere): each kernel starts while the one before it drains and waits
-# only where it reads that one's output: +6% and +14% frames/s in bf16 (A/Bs on two
-# machines), where a frame's ~860 kernels' fixed costs are most of its time (ninth pass). Not
-# with INT8 weights, whose dequantizing reductions it made slower (-3% and -7%).
-ONE_ROW_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False, "triton.enable_pdl": True}
-NOT_WITH_INT8 = ("triton.enable_pdl",)
-# Several rows (the batching engine): matmuls stay with cuBLAS, and tuning would be redone
-# for every batch size at start. No PDL: with it, 32 and 64 streams were 2-7% slower.
-MANY_ROWS_OPTIONS: dict = {}
-# Several rows: wo and w2 (and their residual adds) as `split_products` kernels instead of cuBLAS.
-SPLIT_PRODUCTS = True
-
-
-def _has_option(config, name: str) -> bool:
-    for part in name.split("."):
-        if not hasattr(config, part):
-            return False
-        config = getattr(config, part)
-    return True
-
-
-def compile_decode(fn, one_row: bool, tune: bool = True, int8: bool = False):
-    """`torch.compile` as the decode step's functions use it: for one row, static shapes and
-    `ONE_ROW_OPTIONS` (without the tuning if not `tune`, without `NOT_WITH_INT8` for a
-    model with INT8 weights); for several, one graph for any number (specialised to the
-    first batch size seen, then generalised) and `MANY_ROWS_OPTIONS`."""
-    from torch._inductor import config
-
-    options = dict(ONE_ROW_OPTIONS if one_row else MANY_ROWS_OPTIONS)
-    if not tune:
-        options.pop("coordinate_descent_tuning", None)
-    if int8:
-        options = {k: v for k, v in options.items() if k not in NOT_WITH_INT8}
-    # An option this torch does not have is left out (torch.compile would refuse it): the
-    # stock inference container's torch 2.6 has no static launcher to turn off.
-    options = {k: v for k, v in options.items() if _has_option(config, k)}
-    return torch.compile(fn, fullgraph=True, dynamic=False if one_row else None, options=options)
 
 
 class DualARTransformer(nn.Module):
@@ -371,87 +228,9 @@ class DualARTransformer(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    @property
-    def quantized(self) -> bool:
-        """INT8 weights (torchao's tensors in place of the projections' weights)."""
-        return type(self.layers[0].attention.wqkv.weight) is not nn.Parameter
-
-    def uses_row_products(self) -> bool:
-        """Decode steps of one row run their products as `row_products` kernels: where those run
-        (CUDA with Triton, bf16) and every layer's projections and both heads are readable by them."""
-        return (row_products.usable(self.norm.weight) and row_products.readable(self.head)
-                and row_products.readable(self.fast_output)
-                and all(b.row_products_readable() for b in [*self.layers, *self.fast_layers]))
-
-    row_steps = False  # decode steps of one row on `row_products` kernels (set by compile_layers)
-
-    def on_rows(self, batch: int) -> bool:
-        """A decode step of `batch` rows runs on `row_products` kernels (one row, where set)."""
-        return self.row_steps and batch == 1
-
     def head_logits(self, x: Tensor) -> Tensor:
-        """The slow head's logits of x [B, dim]: its norm and product (one kernel for one row of
-        a model on `row_products`)."""
-        if self.on_rows(x.shape[0]):
-            return attached_product(self, "head", x, norm=self.norm)
+        """The slow head's logits of x [B, dim]."""
         return self.head(self.norm(x))
-
-    def compile_layers(self, dynamic_batch: bool = False, rows: bool | None = None) -> None:
-        """Compile the per-layer work of a decode step around attention (norms, projections,
-        QK-norm, RoPE and the cache write before it; the rest after), once for all slow
-        layers and once for all fast ones (same code, same shapes: the compiled graphs are
-        shared), so no graph depends on the attention length and compilation stays short.
-        Steps of one row and of several are compiled apart (see `compile_decode`).
-        `dynamic_batch` (the batching engine): the slow layers' halves are also compiled for
-        prompts of any batch and length (its admissions, which otherwise launch ~2,700
-        kernels one by one from Python, ~90 ms of a decode loop that every active stream
-        waits on). `rows`: steps of one row on `row_products` kernels instead (None: where
-        `uses_row_products`), nothing compiled for them; INT8 weights are then read by
-        those kernels, not torchao's."""
-        # One cache entry per layer shape and weight type (bf16, int8), per engine in this process.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        rows = self.uses_row_products() if rows is None else rows
-        halves = TransformerBlock._pre_attention_writing, TransformerBlock._post_attention
-        one_row = None if rows else tuple(compile_decode(f, True, int8=self.quantized) for f in halves)
-        blocks = [*self.layers, *self.fast_layers]
-        # Steps of several rows: wo and w2 as `split_products` kernels where their weights are
-        # plain (not torchao's INT8); on the CPU the same arithmetic in torch.
-        split = SPLIT_PRODUCTS and all(b.split_products_readable() for b in blocks)
-        many = (halves[0], TransformerBlock._post_attention_split if split else halves[1])
-        compiled = (one_row, tuple(compile_decode(f, False, int8=self.quantized) for f in many))
-        for block in blocks:
-            if rows:
-                block.attach_row_weights()
-            if split:
-                split_products.attach(block)
-            block.compiled = compiled
-        if rows:
-            row_products.attach(self, "head", self.head)
-            row_products.attach(self, "fast_head", self.fast_output)
-            self._chain_row_weights(row_products.PREFETCH_AHEAD["int8" if self.quantized else "bf16"])
-            self._step_inputs = compile_decode(DualARTransformer.step_inputs, True)
-        self.row_steps = rows
-        if dynamic_batch:
-            prefill = (torch.compile(TransformerBlock._pre_attention, fullgraph=True, dynamic=True),
-                       torch.compile(TransformerBlock._post_attention, fullgraph=True, dynamic=True))
-            for block in self.layers:
-                block.prefill_compiled = prefill
-
-    def _chain_row_weights(self, ahead: int) -> None:
-        """Tell each one-row product the weights of the product `ahead` after it in a frame (the
-        slow layers, the head, then the fast layers and their head, in a loop), for its kernel
-        to start streaming into L2."""
-        for owner in (*self.layers, *self.fast_layers, self):
-            owner.rows_ahead = {}
-        if ahead <= 0:
-            return
-        names = list(TransformerBlock.PRODUCTS)
-        slow = [(b, n) for b in self.layers for n in names] + [(self, "head")]
-        fast = [(b, n) for b in self.fast_layers for n in names] + [(self, "fast_head")]
-        for i, (owner, name) in enumerate(slow + fast):  # a frame: slow, then fast over and over
-            k = i + ahead
-            after, after_name = slow[k] if k < len(slow) else fast[(k - len(slow)) % len(fast)]
-            owner.rows_ahead[name] = getattr(after, f"rows_{after_name}")
 
     def head_rows(self) -> Tensor:
         """Vocabulary ids of the slow head's rows: semantic tokens, then <|im_end|>."""
@@ -501,38 +280,37 @@ class DualARTransformer(nn.Module):
         of each row (a batch of prompts padded to one length).
         """
         mask = None
-        # A step on `_decode_row`'s kernels: their attention masks by position itself, and the
-        # step's inputs are one compiled kernel.
-        row_step = (key_pos is not None and self.on_rows(tokens.shape[0]) and tokens.shape[-1] == 1
-                    and isinstance(row, int) and row == 0 and row_products.usable(self.norm.weight))
-        if row_step:
-            live = key_pos.shape[0]
-        elif key_pos is not None:
+        if key_pos is not None:
             live = key_pos.shape[0]
             mask = key_pos <= input_pos[..., None]  # [S, live] or [B, S, live]
             mask = mask[None, None] if input_pos.dim() == 1 else mask[:, None]
             # As the additive bias attention turns a boolean mask into: once, not once a layer.
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(
                 ~mask, float("-inf"))
-        x, rope = self._step_inputs(self, tokens, input_pos) if row_step else self.step_inputs(tokens, input_pos)
+        x, rope = self.step_inputs(tokens, input_pos)
+        return self.run_slow(x, rope, input_pos, live, mask, row, last)
+
+    def run_slow(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None,
+                 row: int | Tensor = 0, last: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`forward_slow` from its input embeddings x [B, S, dim] and RoPE rows."""
         for layer in self.layers:
             x = layer(x, rope, input_pos, live, mask, row)
         x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
         return self.head_logits(x), self.fast_project_in(x)
 
-    def forward_fast(self, x: Tensor, pos: int, cache_only: bool = False) -> Tensor:
-        """One step of the fast transformer at codebook position `pos`; x [B, fast_dim] -> hidden [B, fast_dim].
-        `cache_only`: only the cache's entries matter (position 0, from the slow hidden state):
-        on `_decode_row`, the last layer stops once its k/v are written (three products fewer)."""
+    def forward_fast(self, x: Tensor, pos: int) -> Tensor:
+        """One step of the fast transformer at codebook position `pos`; x [B, fast_dim] -> hidden [B, fast_dim]."""
         input_pos = self.positions[pos : pos + 1]  # a slice, not a new tensor: no host copy inside a CUDA graph
         x = x[:, None]
         rope = self.fast_rope[pos : pos + 1]
-        cache_only = cache_only and self.on_rows(x.shape[0])
-        for layer in self.fast_layers[:-1] if cache_only else self.fast_layers:
+        for layer in self.fast_layers:
             x = layer(x, rope, input_pos, pos + 1)
-        if cache_only:
-            self.fast_layers[-1]._decode_row(x, rope, input_pos, pos + 1, None, cache_only=True)
         return x[:, 0]
+
+    def prime_fast(self, hidden: Tensor) -> None:
+        """The fast transformer's position 0, the slow hidden state [B, fast_dim]: only the cache
+        entries it writes are used, never its output."""
+        self.forward_fast(hidden, 0)
 
     def forward_fast_pair(self, hidden: Tensor, x: Tensor) -> Tensor:
         """The fast transformer's positions 0 (the slow hidden state, whose output is unused)
@@ -541,13 +319,11 @@ class DualARTransformer(nn.Module):
         so a frame reads the fast layers' weights nine times instead of ten."""
         pair = torch.stack([hidden, x], dim=1)
         for layer in self.fast_layers:
-            pair = layer.decode_step(pair, self.fast_rope[:2], self.positions[:2], 2)
+            pair = layer(pair, self.fast_rope[:2], self.positions[:2], 2)
         return pair[:, 1]
 
     def fast_logits(self, hidden: Tensor) -> Tensor:
-        """Logits of the residual codebooks' 1,024 codes (as `head_logits`)."""
-        if self.on_rows(hidden.shape[0]):
-            return attached_product(self, "fast_head", hidden, norm=self.fast_norm)
+        """Logits of the residual codebooks' 1,024 codes."""
         return self.fast_output(self.fast_norm(hidden))
 
 

@@ -1,6 +1,5 @@
 """Pieces both networks (the DualAR transformer and the codec's transformers) are made of,
-with upstream's numerics: RoPE tables rounded to bf16, RMSNorm statistics in float32; and
-the INT8 form of an embedding table."""
+with upstream's numerics: RoPE tables rounded to bf16, RMSNorm statistics in float32."""
 
 from __future__ import annotations
 
@@ -39,20 +38,3 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     )
     return out.flatten(3).type_as(x)
 
-
-class Int8Embedding(nn.Module):
-    """An embedding table stored as int8 with one scale per row (symmetric, weight-only).
-
-    A lookup gathers its rows and scales only those: torchao's quantized tensors implement
-    `embedding` by dequantizing the whole table first, 160 M values for the token table on
-    every decode step."""
-
-    def __init__(self, weight: Tensor):
-        super().__init__()
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.qweight = nn.Parameter(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), requires_grad=False)
-        self.scale = nn.Parameter(scale.to(weight.dtype), requires_grad=False)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.qweight[ids].to(self.scale.dtype) * self.scale[ids].unsqueeze(-1)

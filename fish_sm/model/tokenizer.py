@@ -97,8 +97,7 @@ class Tokenizer:
         become their ids (as upstream does); without, they are tokenized as plain text."""
         if allow_special and text in self.special_ids:
             # The prompt's control tokens, one per prompt at least: tiktoken would take the set of
-            # all ~4,100 special tokens across into Rust on each call, ~0.9 ms of the decode loop's
-            # time per admission (sixteenth pass).
+            # all ~4,100 special tokens across into Rust on each call, time the decode loop waits on.
             return [self.special_ids[text]]
         allowed = self._enc.special_tokens_set if allow_special else set()
         pieces = [text[i : i + _MAX_CHARS_PER_PIECE] for i in range(0, len(text), _MAX_CHARS_PER_PIECE)]
@@ -160,37 +159,3 @@ def write_tokenizer(path: str | Path, ranks: dict[bytes, int], num_semantic: int
     specials = BASE_SPECIAL_TOKENS + [semantic_token(i) for i in range(num_semantic)]
     ids = {tok: len(ranks) + i for i, tok in enumerate(specials)}
     (path / "special_tokens.json").write_text(json.dumps(ids, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def train_byte_bpe(corpus: str, num_merges: int) -> dict[bytes, int]:
-    """A small byte-level BPE, for the generated tiny checkpoint: the 256 bytes, then
-    the most frequent adjacent pairs in `corpus`, each rank after its parts so that
-    tiktoken can reach every merged token."""
-    ranks = {bytes([b]): b for b in range(256)}
-    words: dict[tuple[bytes, ...], int] = {}
-    for w in re.findall(r" ?\w+|[^\w\s]+|\s+", corpus):
-        key = tuple(bytes([b]) for b in w.encode("utf-8"))
-        words[key] = words.get(key, 0) + 1
-    for _ in range(num_merges):
-        pairs: dict[tuple[bytes, bytes], int] = {}
-        for w, n in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[(a, b)] = pairs.get((a, b), 0) + n
-        if not pairs:
-            break
-        best = max(pairs, key=lambda p: (pairs[p], p))
-        merged = best[0] + best[1]
-        ranks.setdefault(merged, len(ranks))
-        new_words = {}
-        for w, n in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(merged)
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new_words[tuple(out)] = new_words.get(tuple(out), 0) + n
-        words = new_words
-    return ranks

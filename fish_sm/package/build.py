@@ -25,8 +25,9 @@ from fish_sm.model.config import ModelConfig
 from fish_sm.model.tokenizer import Tokenizer
 
 PACKAGE_ROOT = Path(fish_sm.__file__).parent
-ENTRY_POINT = PACKAGE_ROOT / "serving" / "entry_point.py"
+ENTRY_POINT = PACKAGE_ROOT / "serving" / "mms" / "entry_point.py"
 STOCK_REQUIREMENTS = PACKAGE_ROOT / "serving" / "stock_requirements.txt"
+COMPILE_CACHE_META = "cache.json"  # in compile_cache/: the GPU architecture and torch its kernels were built for
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
@@ -76,8 +77,7 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
     import torch
 
     from fish_sm.engine.engine import Engine
-    from fish_sm.serving.compile_cache import META
-    from fish_sm.serving.voices import write_voice
+    from fish_sm.package.voices import write_voice
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     for name in (*FILES, "model.safetensors", "codec.safetensors"):  # before any of them is read
@@ -89,9 +89,9 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
             raise InputError(f"voice {voice_id}: audio file not found: {audio}")
     cache_info = None
     if compile_cache is not None:
-        meta = Path(compile_cache) / META
+        meta = Path(compile_cache) / COMPILE_CACHE_META
         if not meta.is_file():
-            raise InputError(f"{compile_cache}: not a compile cache (no {META}; point at FISH_SM_CACHE_DIR/<device> of a started server)")
+            raise InputError(f"{compile_cache}: not a compile cache (no {COMPILE_CACHE_META}; point at FISH_SM_CACHE_DIR/<device> of a started server)")
         for path in sorted(Path(compile_cache).rglob("*")):
             _refuse_link_outside(path, Path(compile_cache), "point --compile-cache at a cache that holds its files")
         cache_info = json.loads(meta.read_text())

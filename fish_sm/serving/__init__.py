@@ -1,1 +1,1 @@
-"""The SageMaker side of one container: requests in, audio out, behind the model server."""
+"""The SageMaker side of one container: the runtime (requests in, audio out) and the two servers on it."""

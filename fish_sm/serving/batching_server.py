@@ -3,8 +3,8 @@ continuous-batching engine per GPU.
 
 `GET /ping` is 503 while the engines load, compile and warm up, 200 once they serve, and
 503 again if an engine thread dies. `POST /invocations` takes the same bodies, headers and
-settings as the handler (`request.parse_body`, `handler.resolve_reference`,
-`handler.output_fn`: one definition of a request) and answers whole, or — with
+settings as the handler (`request.parse_body`, `runtime.resolve_reference`,
+`runtime.encode_prediction`: one definition of a request) and answers whole, or — with
 `"stream": true` — as chunked audio while it is generated: a WAV header of open length
 then 16-bit PCM, or bare PCM for `Accept: audio/pcm`. That is what SageMaker's
 `InvokeEndpointWithResponseStream` relays. A full server answers 503 with `Retry-After`
@@ -30,11 +30,11 @@ from fish_sm.contract import SamplingParams
 from fish_sm.errors import InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
-from fish_sm.serving.handler import Prediction, ServingModel, WARMUP_TEXT, load_model, output_fn, resolve_reference
+from fish_sm.serving.runtime import (Prediction, ServerConfig, ServingModel, WARMUP_TEXT, check_model_dir,
+                                     encode_prediction, load_model, resolve_reference)
 from fish_sm.serving.http import Limits, application, error_response, listening, read_body
 from fish_sm.contract import AUDIO_TYPES, TTSRequest
 from fish_sm.serving.request import JSONLINES_ALIASES, check_accept, media_type, parse_body, response_format
-from fish_sm.serving.server import ServerConfig, check_model_dir
 from fish_sm.settings import Settings
 
 logger = logging.getLogger("fish_sm.serving")
@@ -153,7 +153,7 @@ class BatchingApp:
             else:
                 response_format(accept, requests[0])  # a contradicting Accept fails before any work
                 results = [await self._whole(request, worker, requests[0])]
-            payload, kind = output_fn(Prediction(results, requests, jsonlines), accept)
+            payload, kind = encode_prediction(Prediction(results, requests, jsonlines), accept)
             return web.Response(body=payload, content_type=kind.split(";")[0])
         except HTTPError as exc:
             return _error(exc)

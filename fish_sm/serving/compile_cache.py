@@ -17,8 +17,9 @@ import os
 import shutil
 from pathlib import Path
 
+from fish_sm.package.build import COMPILE_CACHE_META as META
+
 logger = logging.getLogger("fish_sm.serving")
-META = "cache.json"
 
 
 def build_info(device) -> dict:
@@ -91,8 +92,8 @@ def pin_ptxas() -> None:
     process, inductor sets `TRITON_PTXAS_PATH` to the ptxas shipped with torch (if there is
     one) for the rest of the process: a first start does compile, a warm start finds
     everything cached and never does. Our own Triton kernels (`row_products`,
-    `decode_attention`, `sampling_kernels`) built at a first start would then miss at every
-    warm start and be built again (~12 s of a 31 s start on an H100, tenth pass)."""
+    `decode_attention`, `sampling`) built at a first start would then miss at every
+    warm start and be built again (~12 s of a 31 s start on an H100)."""
     try:  # inductor's own (private) setter: the same path it would set later
         from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
     except ImportError:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from fish_sm.aws.bench import local_server
+from fish_sm.clients.local_server import local_server
 
 
 @pytest.fixture(scope="session")

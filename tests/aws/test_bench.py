@@ -17,8 +17,12 @@ from click.testing import CliRunner
 
 from standin_server import StandInServer
 from fish_sm.aws import AWSError
-from fish_sm.aws import bench as b
-from fish_sm.aws.invoke import ServiceError, UrlTarget, build_request
+from fish_sm.clients import bench as b
+from fish_sm.clients import local_server as local
+from fish_sm.clients.report import format_table, table_rows
+from fish_sm.clients.request import build_request
+from fish_sm.clients.response import ServiceError
+from fish_sm.clients.url import UrlTarget
 from fish_sm.cli import main
 
 RATE = 16000
@@ -173,7 +177,7 @@ def test_url_target_error_kinds(server_url):
     with pytest.raises(ServiceError) as err:
         UrlTarget(server_url).send({"text": "fail500"})
     assert err.value.kind == "HTTP 500" and err.value.status == 500
-    port = b.free_port()  # nothing listens there
+    port = local.free_port()  # nothing listens there
     with pytest.raises(ServiceError) as err:
         UrlTarget(f"http://127.0.0.1:{port}").send({"text": "hi"})
     assert err.value.kind == "connection"
@@ -196,7 +200,7 @@ def test_summarize_on_known_samples():
     assert s["rtf"]["p50"] == pytest.approx(0.5) and s["rtf"]["mean"] == pytest.approx((0.5 + 0.5 + 1.0) / 3)
     empty = b.summarize([b.Sample(1, 0, 0.0, 0.1, False, "connection", None, 3, "refused")], 0.1, 1)
     assert empty["latency_s"]["p50"] is None and empty["rps"] == 0.0
-    table = b.format_table({"levels": [s, empty]})
+    table = format_table({"levels": [s, empty]})
     assert "4/7" in table and "HTTP 503: 2, timeout: 1" in table and "0/1" in table
 
 
@@ -209,7 +213,7 @@ def test_summarize_first_audio_and_rejections():
     assert s["first_audio_ms"]["p50"] == pytest.approx(250) and s["first_audio_ms"]["mean"] == pytest.approx(250)
     assert s["first_audio_ms"]["p95"] == pytest.approx(np.percentile([100, 200, 300, 400], 95))
     assert s["error_examples"] == {"rejected": "full; retry after 1 s"}
-    row, = b.table_rows({"stream": True, "levels": [s]})
+    row, = table_rows({"stream": True, "levels": [s]})
     assert row[5:7] == ["250", "385"] and row[-2:] == ["1", "-"]
 
 
@@ -242,32 +246,32 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 def test_local_server_is_started_and_always_stopped(tmp_path, monkeypatch):
     script = tmp_path / "server.py"
     script.write_text(SERVER_SCRIPT)
-    port = b.free_port()
-    monkeypatch.setattr(b, "free_port", lambda: port)
+    port = local.free_port()
+    monkeypatch.setattr(local, "free_port", lambda: port)
     procs = []
-    real_popen = b.subprocess.Popen
+    real_popen = local.subprocess.Popen
 
     def popen(*args, **kwargs):
         procs.append(real_popen(*args, **kwargs))
         return procs[-1]
 
-    monkeypatch.setattr(b.subprocess, "Popen", popen)
+    monkeypatch.setattr(local.subprocess, "Popen", popen)
     with pytest.raises(RuntimeError, match="bench blew up"):
-        with b.local_server(tmp_path, log_path=tmp_path / "serve.log", startup_timeout_s=30,
-                            command=[sys.executable, str(script), str(port)]) as url:
+        with local.local_server(tmp_path, log_path=tmp_path / "serve.log", startup_timeout_s=30,
+                                command=[sys.executable, str(script), str(port)]) as url:
             assert url == f"http://127.0.0.1:{port}" and procs[0].poll() is None
             raise RuntimeError("bench blew up")
     assert procs[0].poll() is not None  # stopped although the block failed
     assert "ready" in (tmp_path / "serve.log").read_text()
 
     with pytest.raises(AWSError, match="exited with code 3 before it was ready: boom"):
-        with b.local_server(tmp_path, log_path=tmp_path / "serve2.log", startup_timeout_s=30,
-                            command=[sys.executable, "-c", "print('boom'); raise SystemExit(3)"]):
+        with local.local_server(tmp_path, log_path=tmp_path / "serve2.log", startup_timeout_s=30,
+                                command=[sys.executable, "-c", "print('boom'); raise SystemExit(3)"]):
             pass
     # By default the server is `python -m fish_sm.cli serve MODEL_DIR --port N`.
-    monkeypatch.setattr(b, "ping", lambda url, timeout_s: False)
+    monkeypatch.setattr(local, "ping", lambda url, timeout_s: False)
     with pytest.raises(AWSError):
-        with b.local_server(tmp_path, log_path=tmp_path / "serve3.log", startup_timeout_s=0.5):
+        with local.local_server(tmp_path, log_path=tmp_path / "serve3.log", startup_timeout_s=0.5):
             pass
     assert procs[-1].args[:4] == [sys.executable, "-m", "fish_sm.cli", "serve"]
     assert procs[-1].args[4:] == [str(tmp_path), "--port", str(port)] and procs[-1].poll() is not None
@@ -319,6 +323,6 @@ def test_full_server_503_with_retry_after_is_counted_as_rejected(server_url, tmp
     for lv in report["levels"]:
         assert (lv["ok"], lv["rejected"], lv["errors"]) == (2, 2, {"HTTP 503": 2})
         assert "retry after 2 s" in lv["error_examples"]["rejected"]
-    rows = b.format_table(report).splitlines()[2:]
+    rows = format_table(report).splitlines()[2:]
     assert len(rows) == 2 and all(row.split()[-4:] == ["2", "HTTP", "503:", "2"] for row in rows)  # rejected, errors
     assert "rejected (server full)" in result.output

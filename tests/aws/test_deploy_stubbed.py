@@ -13,6 +13,11 @@ from botocore.stub import ANY, Stubber
 
 from fish_sm.aws import AWSError
 from fish_sm.aws import deploy as d
+from fish_sm.aws.autoscaling import (DEFAULT_TARGETS, DIMENSION, default_target, make_autoscaling, policy_request,
+                                     wake_alarm_request, wake_policy_request)
+from fish_sm.aws.container import container_environment, gpu_count, stock_image_uri
+from fish_sm.aws.deploy_request import DeployRequest
+from fish_sm.aws.endpoints import wait_endpoint
 from fish_sm.aws.s3 import parse_s3_uri
 from fish_sm.aws.session import AWS
 from fish_sm.errors import InputError
@@ -56,14 +61,14 @@ def endpoint(status, config, reason=None):
 
 
 def request(**overrides):
-    scaling = d.make_autoscaling(instances=1, min_instances=None, max_instances=4, target=None, metric="concurrency",
-                                 is_async=False, scale_to_zero=False, instance_type="ml.g6e.2xlarge",
-                                 env={"FISH_SM_QUANTIZE": "int8"})
+    scaling = make_autoscaling(instances=1, min_instances=None, max_instances=4, target=None, metric="concurrency",
+                               is_async=False, scale_to_zero=False, instance_type="ml.g6e.2xlarge",
+                               env={"FISH_SM_QUANTIZE": "int8"})
     fields = dict(name=NAME, model_data=parse_s3_uri("s3://models/tts/model.tar.gz"), role=ROLE,
                   instance_type="ml.g6e.2xlarge", image="123456789012.dkr.ecr.us-east-1.amazonaws.com/fish-sm:0.1",
                   env={"FISH_SM_QUANTIZE": "int8"}, autoscaling=scaling, bake_seconds=600, rollback_errors=3)
     fields.update(overrides)
-    return d.DeployRequest(**fields)
+    return DeployRequest(**fields)
 
 
 def expect_update_start(stubs, old_instance_type, refuse_update=False):
@@ -96,12 +101,12 @@ def expect_update_start(stubs, old_instance_type, refuse_update=False):
         "CreationTime": NOW, "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": OLD,
                                                      "InitialInstanceCount": 1, "InstanceType": old_instance_type}]},
         {"EndpointConfigName": OLD})
-    target = {"ServiceNamespace": "sagemaker", "ResourceId": RID, "ScalableDimension": d.DIMENSION, "MinCapacity": 1,
+    target = {"ServiceNamespace": "sagemaker", "ResourceId": RID, "ScalableDimension": DIMENSION, "MinCapacity": 1,
               "MaxCapacity": 2, "RoleARN": "arn:aws:iam::123456789012:role/aas", "CreationTime": NOW}
-    targets_query = {"ServiceNamespace": "sagemaker", "ResourceIds": [RID], "ScalableDimension": d.DIMENSION}
-    policies_query = {"ServiceNamespace": "sagemaker", "ResourceId": RID, "ScalableDimension": d.DIMENSION}
+    targets_query = {"ServiceNamespace": "sagemaker", "ResourceIds": [RID], "ScalableDimension": DIMENSION}
+    policies_query = {"ServiceNamespace": "sagemaker", "ResourceId": RID, "ScalableDimension": DIMENSION}
     policy = {"PolicyARN": POLICY_ARN, "PolicyName": "fish-sm-concurrency", "ServiceNamespace": "sagemaker",
-              "ResourceId": RID, "ScalableDimension": d.DIMENSION, "PolicyType": "TargetTrackingScaling",
+              "ResourceId": RID, "ScalableDimension": DIMENSION, "PolicyType": "TargetTrackingScaling",
               "CreationTime": NOW}
     if old_instance_type != "ml.g6e.2xlarge":
         # The instance type changes: autoscaling is detached first, as SageMaker requires.
@@ -184,7 +189,7 @@ def test_wait_reports_failure_reason(stubbed):
     sm.add_response("describe_endpoint", endpoint("Failed", NEW, reason="CUDA out of memory during warm-up"),
                     {"EndpointName": NAME})
     with pytest.raises(AWSError, match="endpoint tts is Failed: CUDA out of memory during warm-up"):
-        d.wait_endpoint(aws, NAME, poll_s=0)
+        wait_endpoint(aws, NAME, poll_s=0)
 
 
 def test_stock_container_image_from_the_sdk(monkeypatch):
@@ -202,7 +207,7 @@ def test_stock_container_image_from_the_sdk(monkeypatch):
     sagemaker.core = core
     for name, module in (("sagemaker", sagemaker), ("sagemaker.core", core), ("sagemaker.core.image_uris", image_uris)):
         monkeypatch.setitem(sys.modules, name, module)
-    uri = d.stock_image_uri("eu-west-1", "ml.g5.xlarge")
+    uri = stock_image_uri("eu-west-1", "ml.g5.xlarge")
     assert uri.endswith("pytorch-inference:2.6.0-gpu-py312")
     assert calls == [dict(framework="pytorch", region="eu-west-1", version="2.6", py_version="py312",
                           instance_type="ml.g5.xlarge", image_scope="inference")]
@@ -211,20 +216,20 @@ def test_stock_container_image_from_the_sdk(monkeypatch):
 def test_stock_container_without_the_sdk_asks_for_image(monkeypatch):
     monkeypatch.setitem(sys.modules, "sagemaker.core", None)  # import fails as if not installed
     with pytest.raises(AWSError, match=r"pip install 'fish-sm\[sdk\]', or pass the image with --image"):
-        d.stock_image_uri("us-east-1", "ml.g5.xlarge")
+        stock_image_uri("us-east-1", "ml.g5.xlarge")
 
 
 def test_stock_container_environment():
-    env = d.container_environment({"SAGEMAKER_TS_MAX_WORKERS": "2", "FISH_SM_WARMUP": "0"}, stock_container=True,
-                                  instance_type="ml.p5.48xlarge")
+    env = container_environment({"SAGEMAKER_TS_MAX_WORKERS": "2", "FISH_SM_WARMUP": "0"}, stock_container=True,
+                                instance_type="ml.p5.48xlarge")
     assert env["SAGEMAKER_TS_MIN_WORKERS"] == "8" and env["SAGEMAKER_TS_MAX_WORKERS"] == "2"  # the user's value wins
     assert env["FISH_SM_WARMUP"] == "0" and env["SAGEMAKER_PROGRAM"] == "inference.py"
     notes = []
-    env = d.container_environment({}, stock_container=True, instance_type="ml.g7.xlarge", log=notes.append)
+    env = container_environment({}, stock_container=True, instance_type="ml.g7.xlarge", log=notes.append)
     assert env["SAGEMAKER_TS_MIN_WORKERS"] == "1" and "not in fish-sm's GPU table" in notes[0]
-    assert d.container_environment({}, stock_container=False, instance_type="ml.g5.xlarge") == \
+    assert container_environment({}, stock_container=False, instance_type="ml.g5.xlarge") == \
         {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20"}
-    assert [d.gpu_count(t)[0] for t in ("ml.g4dn.xlarge", "ml.g5.12xlarge", "ml.g6.48xlarge", "ml.g6e.24xlarge",
+    assert [gpu_count(t)[0] for t in ("ml.g4dn.xlarge", "ml.g5.12xlarge", "ml.g6.48xlarge", "ml.g6e.24xlarge",
                                          "ml.p4d.24xlarge")] == [1, 4, 8, 4, 8]
 
 
@@ -232,34 +237,34 @@ def test_async_scale_to_zero_requests_match_the_service_models():
     """The async policies and alarms, validated against the real application-autoscaling and cloudwatch models."""
     session = boto3.Session(aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
     aa, cw = session.client("application-autoscaling"), session.client("cloudwatch")
-    scaling = d.make_autoscaling(instances=1, min_instances=None, max_instances=5, target=None, metric="concurrency",
-                                 is_async=True, scale_to_zero=True, instance_type="ml.g6e.2xlarge")
+    scaling = make_autoscaling(instances=1, min_instances=None, max_instances=5, target=None, metric="concurrency",
+                               is_async=True, scale_to_zero=True, instance_type="ml.g6e.2xlarge")
     assert (scaling.min, scaling.max, scaling.metric, scaling.target) == (0, 5, "backlog", 2.0)
     with Stubber(aa) as sa, Stubber(cw) as sc:
-        sa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN}, d.policy_request(NAME, scaling))
-        sa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN}, d.wake_policy_request(NAME))
-        sc.add_response("put_metric_alarm", {}, d.wake_alarm_request(NAME, POLICY_ARN))
-        aa.put_scaling_policy(**d.policy_request(NAME, scaling))
-        aa.put_scaling_policy(**d.wake_policy_request(NAME))
-        cw.put_metric_alarm(**d.wake_alarm_request(NAME, POLICY_ARN))
+        sa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN}, policy_request(NAME, scaling))
+        sa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN}, wake_policy_request(NAME))
+        sc.add_response("put_metric_alarm", {}, wake_alarm_request(NAME, POLICY_ARN))
+        aa.put_scaling_policy(**policy_request(NAME, scaling))
+        aa.put_scaling_policy(**wake_policy_request(NAME))
+        cw.put_metric_alarm(**wake_alarm_request(NAME, POLICY_ARN))
 
 
 def test_default_targets_by_server_and_instance():
     def target(instance_type, **kwargs):
-        scaling = d.make_autoscaling(instances=1, min_instances=None, max_instances=2, target=kwargs.pop("target", None),
-                                     metric=kwargs.pop("metric", "concurrency"), is_async=kwargs.pop("is_async", False),
-                                     scale_to_zero=False, instance_type=instance_type, **kwargs)
+        scaling = make_autoscaling(instances=1, min_instances=None, max_instances=2, target=kwargs.pop("target", None),
+                                   metric=kwargs.pop("metric", "concurrency"), is_async=kwargs.pop("is_async", False),
+                                   scale_to_zero=False, instance_type=instance_type, **kwargs)
         return scaling.target
 
     assert target("ml.g5.12xlarge") == 4 * 64 * 0.5 == 128
     assert target("ml.g5.xlarge") == 32 and target("ml.p5.48xlarge") == 8 * 64 * 0.5
     assert target("ml.g5.12xlarge", env={"FISH_SM_MAX_BATCH": "16"}) == 32
-    assert target("ml.g5.12xlarge", stock_container=True) == d.DEFAULT_TARGETS["concurrency"] == 2.0
+    assert target("ml.g5.12xlarge", stock_container=True) == DEFAULT_TARGETS["concurrency"] == 2.0
     assert target("ml.g5.12xlarge", env={"FISH_SM_SERVER": "MMS"}) == 2.0
     assert target("ml.g5.12xlarge", target=7) == 7.0
     assert target("ml.g5.12xlarge", metric="invocations") == 60.0  # depends on text length, not slots
     assert target("ml.g5.12xlarge", is_async=True) == 2.0  # async: backlog per instance
-    value, why = d.default_target("concurrency", instance_type="ml.g7.xlarge")
+    value, why = default_target("concurrency", instance_type="ml.g7.xlarge")
     assert value == 32 and "not in fish-sm's GPU table, counted as 1 GPU" in why
     with pytest.raises(InputError, match="FISH_SM_MAX_BATCH='0' must be a whole number"):
         target("ml.g5.xlarge", env={"FISH_SM_MAX_BATCH": "0"})

@@ -13,10 +13,28 @@ def test_aws_modules_never_import_torch_and_help_imports_no_boto3():
         "import sys\n"
         "from fish_sm.cli import main\n"
         "assert not {'torch', 'boto3', 'botocore', 'matplotlib'} & set(sys.modules), 'cli'\n"
-        "import fish_sm.aws.session, fish_sm.aws.s3, fish_sm.aws.package, fish_sm.aws.deploy\n"
-        "import fish_sm.aws.invoke, fish_sm.aws.bench, fish_sm.aws.transform\n"
+        "import importlib, pkgutil, fish_sm.aws\n"
+        "for m in pkgutil.iter_modules(fish_sm.aws.__path__): importlib.import_module('fish_sm.aws.' + m.name)\n"
         "import boto3, botocore.stub\n"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('fish_sm.model', 'fish_sm.engine', 'fish_sm.serving'))]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_clients_contract_and_the_cli_group_import_no_torch_and_no_boto3():
+    """The clients, the request contract and every command's options, built as `--help` builds them."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import click\n"
+        "import fish_sm.cli, fish_sm.clients, fish_sm.contract\n"
+        "main = fish_sm.cli.main\n"
+        "for name in main.list_commands(click.Context(main)):\n"
+        "    command = main.get_command(click.Context(main), name)\n"
+        "    command.get_help(click.Context(command))\n"
+        "for m in pkgutil.iter_modules(fish_sm.clients.__path__): importlib.import_module('fish_sm.clients.' + m.name)\n"
+        "bad = [m for m in sys.modules if m in ('torch', 'boto3', 'botocore')\n"
+        "       or m.startswith(('fish_sm.model', 'fish_sm.engine', 'fish_sm.serving'))]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

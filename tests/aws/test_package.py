@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fish_sm.aws.package import is_package_dir, make_tarball, parse_voice_spec, parse_voice_specs
 from fish_sm.cli import main
+from fish_sm.cli.package_inputs import is_package_dir, parse_voice_spec, parse_voice_specs
 from fish_sm.errors import InputError
+from fish_sm.package.tarball import make_tarball
 
 
 def make_package_dir(root: Path, weights: bytes = b"\x01" * 1000) -> Path:
@@ -270,7 +271,7 @@ def test_package_bad_checkpoints_are_one_line(tiny_ckpt, tmp_path):
 
 
 def test_file_progress_shows_a_bar_only_for_large_files(capsys):
-    from fish_sm.aws.package import FileProgress
+    from fish_sm.cli.progress import FileProgress
 
     with FileProgress(min_bytes=100) as progress:
         progress("hashing code/inference.py", 10, 10)  # small: no bar

@@ -15,11 +15,12 @@ import pytest
 from botocore.config import Config
 from click.testing import CliRunner
 
-from fish_sm.aws.package import MANIFEST_LIMIT, MANIFEST_RANGE, make_tarball, read_tarball_manifest
+from fish_sm.aws.package import MANIFEST_LIMIT, MANIFEST_RANGE, read_tarball_manifest
 from fish_sm.aws.s3 import S3Uri
 from fish_sm.aws.session import AWS
 from fish_sm.cli import main
 from fish_sm.errors import InputError
+from fish_sm.package.tarball import make_tarball
 from fish_sm.package.verify import verify_package
 from moto_helpers import moto_server
 

@@ -9,9 +9,9 @@ import pytest
 import soundfile as sf
 from click.testing import CliRunner
 
-from fish_sm.aws.bench import local_server
-from fish_sm.aws.invoke import ping
 from fish_sm.cli import main
+from fish_sm.clients.local_server import local_server
+from fish_sm.clients.url import ping
 
 pytestmark = pytest.mark.skipif("serve" not in main.commands, reason="`fish-sm serve` is not part of this build")
 

@@ -12,8 +12,11 @@ import pytest
 import soundfile as sf
 from click.testing import CliRunner
 
-from fish_sm.aws import bench as b
-from fish_sm.aws.invoke import UrlTarget, close_wav, pcm_offset, read_stream
+from fish_sm.clients import bench as b
+from fish_sm.clients.local_server import local_server
+from fish_sm.clients.report import format_table
+from fish_sm.clients.stream import close_wav, pcm_offset, read_stream
+from fish_sm.clients.url import UrlTarget
 from fish_sm.cli import main
 
 pytestmark = pytest.mark.skipif("serve" not in main.commands, reason="`fish-sm serve` is not part of this build")
@@ -88,14 +91,14 @@ def test_bench_without_stream_is_unchanged(tiny_url):
     assert report["stream"] is False and level["ok"] == 2
     assert level["first_audio_ms"] == {"p50": None, "p95": None, "mean": None}
     assert all(s["first_audio_s"] is None for s in report["samples"])
-    assert "1st p50 ms" not in b.format_table(report)
+    assert "1st p50 ms" not in format_table(report)
 
 
 def test_a_full_server_rejects_and_the_bench_counts_it(tiny_model, tmp_path, monkeypatch):
     """One slot and no queue: while one request decodes the others get 503 with Retry-After at once."""
     monkeypatch.setenv("FISH_SM_MAX_BATCH", "1")
     monkeypatch.setenv("FISH_SM_MAX_QUEUE", "0")
-    with b.local_server(tiny_model, log_path=tmp_path / "serve.log", startup_timeout_s=120) as url:
+    with local_server(tiny_model, log_path=tmp_path / "serve.log", startup_timeout_s=120) as url:
         report = b.run_bench(UrlTarget(url), concurrencies=[1, 4], requests_per_level=8, texts=[{"text": TEXT}],
                              base={"max_new_tokens": 40, "seed": 0}, warmup=0, stream=True)
     alone, crowded = report["levels"]
@@ -105,7 +108,7 @@ def test_a_full_server_rejects_and_the_bench_counts_it(tiny_model, tmp_path, mon
     assert "retry after" in crowded["error_examples"]["rejected"]
     rejected = [s for s in report["samples"] if s["kind"] == "rejected"]
     assert all(not s["ok"] and "answered 503" in s["error"] for s in rejected)
-    table = b.format_table(report)
+    table = format_table(report)
     assert "rejected" in table.splitlines()[0]
 
 

@@ -28,9 +28,10 @@ from click.testing import CliRunner
 
 from moto_helpers import moto_server
 from standin_server import StandInServer
-from fish_sm.aws.invoke import EndpointTarget, ServiceError
 from fish_sm.aws.session import AWS
 from fish_sm.cli import main
+from fish_sm.clients.endpoint import EndpointTarget
+from fish_sm.clients.response import ServiceError
 
 pytestmark = pytest.mark.skipif("serve" not in main.commands, reason="`fish-sm serve` is not part of this build")
 

@@ -8,6 +8,7 @@ import torch
 
 from fish_sm.engine import Engine
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job, Overloaded, Ticket, batch_sizes
+from fish_sm.engine.batching.runner import ModelRunner
 from fish_sm.engine.generate import HostCopy, admission_shape, to_device
 from fish_sm.engine.sampling import SamplingParams
 
@@ -78,18 +79,18 @@ def test_admissions_padded_as_captured_ones_give_the_same_codes(tiny_checkpoint,
     32), spare rows repeating the first prompt into its own cache row, causal attention.
     The same padding, run eagerly here, leaves every code as it was; prompts after a
     prefix are admitted apart, unpadded."""
-    monkeypatch.setattr(BatchEngine, "_admission_shape",
+    monkeypatch.setattr(ModelRunner, "_admission_shape",
                         lambda self, b, w: admission_shape(b, w, self.slots, self.max_seq_len))
     jobs = mixed_jobs(voices)[:7]  # jobs 0, 3 and 6 without a voice
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=8)
-    shapes, admission_inputs = [], batcher._admission_inputs
+    shapes, admission_inputs = [], batcher.runner._admission_inputs
 
     def recording(group):
         inputs = admission_inputs(group)
         shapes.append((len(group), inputs[0].shape[0], inputs[0].shape[-1], inputs[-1]))  # prompts, rows, width, from 0
         return inputs
 
-    batcher._admission_inputs = recording
+    batcher.runner._admission_inputs = recording
     with batcher:
         with batcher._lock:  # all seven admitted in one step
             tickets = [batcher.submit(job) for job in jobs]
@@ -138,7 +139,7 @@ def test_overload_is_refused_at_once_and_cancel_frees_the_slot(tiny_checkpoint):
 
 
 def test_a_closed_loop_level_keeps_each_client_to_one_request_at_a_time(tiny_checkpoint, monkeypatch):
-    from fish_sm.engine import benchmark
+    from benchmarks import engine as benchmark
 
     batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=2, max_queue=0)
     submit, tickets = batcher.submit, []
@@ -169,7 +170,7 @@ def test_a_closed_loop_level_keeps_each_client_to_one_request_at_a_time(tiny_che
 
 
 def test_steady_window_counts_each_request_pro_rata():
-    from fish_sm.engine.benchmark import _overlap
+    from benchmarks.engine import _overlap
 
     assert _overlap(1.0, 3.0, 0.0, 5.0) == 1.0  # wholly inside
     assert _overlap(1.0, 3.0, 2.0, 5.0) == pytest.approx(0.5)  # half after the start
@@ -181,9 +182,9 @@ def test_steady_window_counts_each_request_pro_rata():
 def test_the_codec_precision_reaches_the_streaming_codec(tiny_checkpoint):
     engine = Engine.from_pretrained(tiny_checkpoint, device="cpu")
     fast = BatchEngine(engine, max_batch=1)._codec.codec  # on a GPU: float16 back, TF32 fronts
-    assert fast.front_tf32 and fast.back.dtype == engine.codec._param.dtype  # (the CPU's back stays float32)
+    assert fast.front_tf32 and fast.back.dtype == engine.codec.dtype  # (the CPU's back stays float32)
     exact = BatchEngine(engine, max_batch=1, codec_precision="float32")._codec.codec
-    assert not exact.front_tf32 and exact.back.dtype == engine.codec._param.dtype == torch.float32
+    assert not exact.front_tf32 and exact.back.dtype == engine.codec.dtype == torch.float32
     with pytest.raises(ValueError, match="codec precision 'float16'"):
         BatchEngine(engine, max_batch=1, codec_precision="float16")
 
@@ -211,11 +212,11 @@ def test_bad_jobs_fail_alone(tiny_checkpoint):
 
 def test_prompts_beyond_one_prefill_are_split(tiny_checkpoint, solo, monkeypatch):
     """With a small prefill budget the admissions run as several padded prefills; codes are unchanged."""
-    import fish_sm.engine.batching as batching
+    from fish_sm.engine.batching import runner
 
-    monkeypatch.setattr(batching, "PREFILL_TOKENS", 48)
+    monkeypatch.setattr(runner, "PREFILL_TOKENS", 48)
     jobs = [Job(text, params=SamplingParams(seed=i, max_new_tokens=12)) for i, text in enumerate(TEXTS)]
-    groups = batching._prefill_groups([(None, torch.zeros(11, n), 0) for n in (10, 12, 20, 30)])
+    groups = runner._prefill_groups([(None, torch.zeros(11, n), 0) for n in (10, 12, 20, 30)])
     assert [len(g) for g in groups] == [2, 1, 1]
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
     with batcher:
@@ -305,10 +306,10 @@ def test_pieces_of_streams_with_audio_to_spare_wait_for_company(solo, monkeypatc
     """A stream's first pieces go at once; once it has more than `spare_s` of audio unplayed,
     its next pieces wait, up to `hold_s`, for a batch of their length to fill; a stream that
     has finished, or whose audio is wanted whole, never waits."""
-    from fish_sm.engine import batching
+    from fish_sm.engine.batching import codec_worker
 
     clock = [100.0]
-    monkeypatch.setattr(batching.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(codec_worker.time, "perf_counter", lambda: clock[0])
     worker = CodecWorker(solo, first_piece=4, largest_piece=64)  # not started: driven by hand
     worker.codec.max_batch_frames = 128  # two pieces of 64 fill a batch
     events: dict[str, list] = {}

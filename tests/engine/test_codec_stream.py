@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fish_sm.engine.codec_stream import CodecStream, ConvBack, FullFronts, StreamingCodec, _flatten, _rebuild, decode_in_pieces, piece_frames
-from fish_sm.model.codec import CodecConfig, build_codec_state_dict, codec_from_state_dict
+from fish_sm.model.codec import CodecConfig, codec_from_state_dict
+from fish_sm.model.random_weights import build_codec_state_dict
 
 
 def _streamed_in_rounds(pieces: StreamingCodec, codes: list[torch.Tensor], starts) -> list[torch.Tensor]:

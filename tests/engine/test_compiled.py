@@ -1,15 +1,16 @@
 """The compiled decode step and INT8 weight-only quantization, on the CPU (float32).
 
-On a GPU the same frame is captured as CUDA graphs; `fish_sm.engine.benchmark` runs the
-same comparison there (`compare_compiled_to_eager`) in bf16.
+On a GPU the same frame is captured as CUDA graphs; `benchmarks/engine.py` runs the
+same comparison there (`fish_sm.engine.checks.compare_compiled_to_eager`) in bf16.
 """
 
 import pytest
 import torch
 
 from fish_sm.engine import Engine
-from fish_sm.engine.benchmark import SENTENCE, compare_compiled_to_eager, weight_bytes
+from fish_sm.engine.checks import SENTENCE, compare_compiled_to_eager, weight_bytes
 from fish_sm.engine.prompt import build_prompt
+from fish_sm.kernels import BATCHING, SEQUENTIAL, install
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_compiled_layers_write_the_cache_as_eager_ones_do(tiny_checkpoint, batch
     from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, sampling_tensors
 
     engines = [Engine.from_pretrained(tiny_checkpoint, device="cpu") for _ in range(2)]
-    engines[1].model.compile_layers(dynamic_batch=batch > 1, rows=rows)
+    install(engines[1].model, BATCHING if batch > 1 else SEQUENTIAL, rows=rows)
     rows = 1 + engines[0].config.num_codebooks
     t, p, r = (x.view(1, 1).expand(batch, 1) for x in sampling_tensors(SamplingParams(seed=0), "cpu"))
     outs = []
@@ -110,7 +111,7 @@ def test_attention_buckets_cover_every_length():
 
 
 def test_int8_embedding_looks_up_scaled_rows():
-    from fish_sm.model.layers import Int8Embedding
+    from fish_sm.kernels import Int8Embedding
 
     table = torch.randn(50, 16, generator=torch.Generator().manual_seed(0))
     table[3] = 0.0  # an all-zero row keeps a usable scale
@@ -164,7 +165,7 @@ def test_compiled_admission_prefill_matches_eager(tiny_checkpoint):
     """The batching engine's compiled admission prefill (prompts of any batch and length, each
     at its own positions in its own cache row) against the eager layers: logits and cache."""
     engines = [Engine.from_pretrained(tiny_checkpoint, device="cpu") for _ in range(2)]
-    engines[1].model.compile_layers(dynamic_batch=True)
+    install(engines[1].model, BATCHING)
     rows = 1 + engines[0].config.num_codebooks
     outs = []
     for engine in engines:
@@ -194,7 +195,7 @@ def test_compiled_pickers_pick_as_eager_ones(tiny_checkpoint, rows):
 
     from fish_sm.engine.generate import pick, pick_residual
     from fish_sm.engine.sampling import SamplingParams, sampling_tensors
-    from fish_sm.model.dual_ar import compile_decode
+    from fish_sm.kernels import compile_decode
 
     model = Engine.from_pretrained(tiny_checkpoint, device="cpu").model
     c, g = model.config, torch.Generator().manual_seed(rows)
@@ -215,73 +216,34 @@ def test_compiled_pickers_pick_as_eager_ones(tiny_checkpoint, rows):
 def test_one_row_steps_use_dependent_launch_in_bf16_only(monkeypatch):
     """What `compile_decode` hands torch.compile: PDL for bf16 one-row steps, not with INT8
     weights, not for several rows; an option this torch lacks is left out."""
-    from fish_sm.model import dual_ar
+    from fish_sm.kernels.compile import ONE_ROW_OPTIONS, compile_decode
 
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw["options"]) or fn)
     for one_row, int8 in ((True, False), (True, True), (False, False)):
-        dual_ar.compile_decode(lambda x: x, one_row, int8=int8)
+        compile_decode(lambda x: x, one_row, int8=int8)
     assert seen[0]["triton.enable_pdl"] is True and seen[0]["coordinate_descent_tuning"] is True
     assert "triton.enable_pdl" not in seen[1] and seen[1]["coordinate_descent_tuning"] is True
     assert "triton.enable_pdl" not in seen[2]
-    monkeypatch.setattr(dual_ar, "ONE_ROW_OPTIONS", {**dual_ar.ONE_ROW_OPTIONS, "triton.no_such_option": 1})
-    dual_ar.compile_decode(lambda x: x, True)
+    compile_decode(lambda x: x, True, one_row_options={**ONE_ROW_OPTIONS, "triton.no_such_option": 1})
     assert "triton.no_such_option" not in seen[3]
 
 
-def test_the_targets_table_judges_each_figure_against_its_target():
-    from fish_sm.engine.benchmark import targets_table
-
-    bf16 = {"mode": "bf16", "decode_frames_per_s": 368.6, "decode_short_prompt_frames_per_s": 373.5, "prefill_ms": 12.4,
-            "codec_decode_10s_ms": 48.0, "time_to_first_audio_ms": 55, "weight_gb": 1.4}
-    int8 = {**bf16, "mode": "int8", "decode_frames_per_s": 312.5, "weight_gb": 0.7}
-    levels = [{"streams": 1, "stream": True, "end_to_end_frames_per_s_median": 325.4,
-               "per_request_decode_frames_per_s_median": 333.2},
-              {"streams": 32, "stream": True, "aggregate_frames_per_s": 3254, "aggregate_decode_frames_per_s": 6012,
-               "per_request_realtime_x_min": 6.19, "first_audio_ms_p95": 107},
-              {"streams": 32, "stream": False, "aggregate_frames_per_s": 9999},  # not streamed: not judged
-              {"streams": 32, "stream": True, "rounds": 3, "aggregate_frames_per_s": 6100,
-               "aggregate_decode_frames_per_s": 5990, "decode_span_s": 3.2, "steady_decode_frames_per_s": 6150,
-               "steady_window_s": 2.5}]
-    report = {"modes": [bf16, int8],
-              "batching": [{"mode": "bf16", "levels": levels, "sequential": {
-                  "whole_end_to_end_frames_per_s_median": 338.3, "stream_end_to_end_frames_per_s_median": 270.4}}],
-              "model_fn": {"none": {"first_start": {"total_s": 49.7},
-                                    "warm_starts": [{"total_s": t} for t in (17.3, 14.3, 14.8)],
-                                    "warm_start": {"total_s": 14.8}}}}
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in targets_table(report).splitlines()[2:]}
-    verdict = {name: None if line.endswith("|  |") else "not met" not in line for name, line in rows.items()}
-    assert verdict == {
-        "decode, bf16": False, "prefill, 1,000-token prompt": True, "codec decode, 10 s": True,
-        "time to first audio": True, "decode, INT8 against bf16": False, "INT8 weight memory": True,
-        "first compile (model_fn, none)": True, "warm start (model_fn, none)": True,
-        "batching, bf16: 32 streams, closed loop of 3 rounds, decode while all 32 clients are in the loop "
-        "(2.50 of 3.20 s)": True,
-        # a closed loop's whole span is shown, not judged: its end has fewer than 32 streams
-        "batching, bf16: 32 streams, closed loop of 3 rounds, decode (first frame to last)": None,
-        "batching, bf16: 32 streams, closed loop of 3 rounds, text to last audio": None,
-        "batching, bf16: 32 streams, one burst, decode (first frame to last)": True,
-        "batching, bf16: 32 streams, one burst, text to last audio": False,
-        "batching, bf16: each of 32 streams": True,
-        "batching, bf16: first audio p95 at 32 (engine, not HTTP)": True,
-        "batching, bf16: 1 stream (streamed) against the sequential engine, text to last audio": True,
-        "batching, bf16: 1 stream's decode against the sequential decode loop (no codec)": False}
-    assert "0.85x" in rows["decode, INT8 against bf16"] and "-3.8% against its whole synthesis" in rows[
-        "batching, bf16: 1 stream (streamed) against the sequential engine, text to last audio"]
-    assert "median of 17.3, 14.3, 14.8" in rows["warm start (model_fn, none)"]
-
-
-def _frames_at_batch_sizes(checkpoint, batches: list[int], compiled: bool, fast_only: bool = False) -> list:
+def _frames_at_batch_sizes(checkpoint, batches: list[int], compiled: bool, fast_only: bool = False,
+                           two_passes: bool = False) -> list:
     """Three decode frames of each of `batches` rows in turn, on a fresh engine (its layers
     compiled as the batching engine compiles them, if `compiled`): for each batch size, the
-    last frame and the (k, v) cache rows of every layer (of the fast layers, with `fast_only`)."""
+    last frame and the (k, v) cache rows of every layer (of the fast layers, with `fast_only`).
+    `two_passes`: the fast transformer's positions 0 and 1 as two passes of one position."""
     from fish_sm.engine.generate import decode_frame, noise_size
     from fish_sm.engine.sampling import PENALTY_WINDOW, SamplingParams, sampling_tensors
 
     engine = Engine.from_pretrained(checkpoint, device="cpu")
     model = engine.model
     if compiled:
-        model.compile_layers(dynamic_batch=True)
+        install(model, BATCHING)
+    if two_passes:  # (an instance attribute: this engine's model only)
+        model.forward_fast_pair = lambda hidden, x: (model.forward_fast(hidden, 0), model.forward_fast(x, 1))[1]
     model.setup_caches(max(batches), 64)
     rows = 1 + engine.config.num_codebooks
     layers = list(model.fast_layers) if fast_only else list(model.layers) + list(model.fast_layers)
@@ -315,18 +277,15 @@ def test_compiled_steps_at_several_batch_sizes_in_turn_match_eager(tiny_checkpoi
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fast_positions_0_and_1_in_one_pass_match_two(tiny_checkpoint, monkeypatch, compiled):
+def test_fast_positions_0_and_1_in_one_pass_match_two(tiny_checkpoint, compiled):
     """Steps of several rows run the fast transformer's positions 0 and 1 as one pass of two
     (`forward_fast_pair`): the same codes and fast caches as two passes of one, eager and
     compiled, at batch sizes in turn (the compiled halves generalised over the batch, the
     number of positions kept static)."""
-    from fish_sm.engine import generate
-
     batches = [2, 4, 8, 16, 3]
     runs = {}
     for pair in (False, True):
-        monkeypatch.setattr(generate, "FAST_PAIR", pair)
-        runs[pair] = _frames_at_batch_sizes(tiny_checkpoint, batches, compiled, fast_only=True)
+        runs[pair] = _frames_at_batch_sizes(tiny_checkpoint, batches, compiled, fast_only=True, two_passes=not pair)
     for (frames_two, caches_two), (frames_pair, caches_pair) in zip(runs[False], runs[True]):
         assert torch.equal(frames_two, frames_pair)
         for (k2, v2), (kp, vp) in zip(caches_two, caches_pair):

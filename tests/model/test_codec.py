@@ -11,16 +11,9 @@ import pytest
 import torch
 
 from fish_sm.errors import CheckpointError, ConfigError
-from fish_sm.model.codec import (
-    Codec,
-    CodecConfig,
-    CausalConv1d,
-    ResidualUnit,
-    build_codec_state_dict,
-    codec_from_state_dict,
-    fold_weight_norm,
-    load_codec,
-)
+from fish_sm.model.codec import Codec, CodecConfig, codec_from_state_dict, fold_weight_norm, load_codec
+from fish_sm.model.codec.layers import CausalConv1d, ResidualUnit
+from fish_sm.model.random_weights import build_codec_state_dict
 from fish_sm.model.weights import write_safetensors
 
 TINY = CodecConfig.tiny()

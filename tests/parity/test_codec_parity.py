@@ -10,7 +10,9 @@ import torch
 
 from fish_speech.models.dac.modded_dac import DAC, ModelArgs, WindowLimitedTransformer, precompute_freqs_cis
 from fish_speech.models.dac.rvq import DownsampleResidualVectorQuantize
-from fish_sm.model.codec import CodecConfig, build_codec_state_dict, codec_from_state_dict, rope_table
+from fish_sm.model.codec import CodecConfig, codec_from_state_dict
+from fish_sm.model.layers import rope_table
+from fish_sm.model.random_weights import build_codec_state_dict
 
 TINY = CodecConfig.tiny()
 BUFFERS = ("freqs_cis", "causal_mask")

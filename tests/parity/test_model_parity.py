@@ -14,7 +14,8 @@ from fish_sm.engine.prompt import build_prompt
 from fish_sm.engine.sampling import SamplingParams, logits_to_probs, sampling_tensors
 from fish_sm.model.config import ModelConfig
 from fish_sm.model.dual_ar import load_dual_ar
-from fish_sm.model.tokenizer import Tokenizer, train_byte_bpe, write_tokenizer
+from fish_sm.model.random_weights import train_byte_bpe
+from fish_sm.model.tokenizer import Tokenizer, write_tokenizer
 
 CORPUS = [
     "Hello, world! This is fish-sm speaking.",

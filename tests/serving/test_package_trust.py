@@ -19,14 +19,13 @@ import torch
 from server_helpers import free_port, serve_cmd
 
 from fish_sm.errors import CheckpointError, InputError
-from fish_sm.serving import handler
+from fish_sm.serving.mms import handler
 from fish_sm.serving.compile_cache import META, build_info
-from fish_sm.serving.handler import load_model
+from fish_sm.serving.runtime import check_model_dir, load_model
 from fish_sm.package.build import build_package_dir
-from fish_sm.serving.server import check_model_dir
 from fish_sm.settings import Settings
 from fish_sm.package.verify import verify_package
-from fish_sm.serving.voices import load_voices
+from fish_sm.package.voices import load_voices
 
 ENTRY = "fxgraph/ab/fabcdef0123/entry"
 PLANTED = f"compile_cache/{ENTRY}"

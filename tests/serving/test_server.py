@@ -20,7 +20,9 @@ def server(package_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     s = Server(serve_cmd(package_dir, port), port, {**QUICK_ENV, "FISH_SM_CACHE_DIR": str(tmp / "cache"),
                                                      "FISH_SM_MAX_TEXT_CHARS": "100", "FISH_SM_MAX_REFERENCE_BYTES": "1000",
-                                                     "FISH_SM_ALLOWED_BUCKETS": "voices-ok"}, tmp / "server.log")
+                                                     "FISH_SM_ALLOWED_BUCKETS": "voices-ok",
+                                                     # a request's default length: a CPU takes 30 s for 1,024 frames
+                                                     "FISH_SM_MAX_NEW_TOKENS": "64"}, tmp / "server.log")
     s.wait_ready()
     yield s
     s.stop()
@@ -50,10 +52,10 @@ def test_json_request_with_packaged_voice_returns_wav(server):
 
 @pytest.mark.parametrize("content_type, body", [
     ("text/plain", "Plain text to speak."),
-    ("application/json; charset=utf-8", json.dumps({"text": "Charset parameter.", "max_new_tokens": 4})),
+    ("application/json; charset=utf-8", json.dumps({"text": "Charset parameter.", "max_new_tokens": 4, "seed": 0})),
 ])
 def test_content_types(server, content_type, body):
-    # text/plain uses the defaults, so this one generates up to 1024 frames
+    # text/plain uses the defaults, so this one generates up to FISH_SM_MAX_NEW_TOKENS frames
     status, headers, out = invoke(server, body, content_type)
     assert status == 200 and headers["Content-Type"] == "audio/wav" and sf.info(io.BytesIO(out)).samplerate == 44100
 
@@ -61,7 +63,7 @@ def test_content_types(server, content_type, body):
 @pytest.mark.parametrize("accept, fmt", [("audio/wav", "WAV"), ("audio/flac", "FLAC"), ("audio/ogg", "OGG"),
                                          ("audio/mpeg", "MP3"), ("*/*", "WAV")])
 def test_accept_audio(server, accept, fmt):
-    status, headers, body = invoke(server, {"text": "Accept test.", "max_new_tokens": 4}, accept=accept)
+    status, headers, body = invoke(server, {"text": "Accept test.", "max_new_tokens": 4, "seed": 0}, accept=accept)
     assert status == 200 and sf.info(io.BytesIO(body)).format == fmt
 
 
@@ -78,7 +80,7 @@ def test_accept_json_and_jsonlines_batch(server):
 
 def test_zero_shot_clone_from_wav(server, tone, encode_audio):
     ref = base64.b64encode(encode_audio(tone(0.02, 16000), 16000, "WAV")).decode()  # small: the limit is 1000 bytes
-    status, _, body = invoke(server, {"text": "Cloned.", "reference": {"audio": ref, "text": "Ref."}, "max_new_tokens": 3})
+    status, _, body = invoke(server, {"text": "Cloned.", "reference": {"audio": ref, "text": "Ref."}, "max_new_tokens": 3, "seed": 0})
     assert status == 200 and len(sf.read(io.BytesIO(body))[0]) <= 3 * 2048
 
 

@@ -1,0 +1,255 @@
+"""Where the batching engine's time goes at many streams, step by step: each level (N streamed
+requests of F frames, as one burst or as a closed loop of R requests a client, as
+benchmarks/engine.py runs them) is run twice on one compiled engine:
+
+1. plain: frames/s (text to last audio, decode span, steady window), first audio, and the
+   wall time per decode step (`BatchEngine.steps`);
+2. instrumented: the host time of the engine thread's and the codec thread's calls, per
+   decode step, from a profile hook on those threads (`threading.setprofile`: nothing in
+   fish_sm is replaced; each call's time includes what it calls, and the hook slows the
+   Python it watches, so compare this run's frames/s with the plain one's); and, from a CUDA
+   profile (torch.profiler), each CUDA stream's GPU time: kernels, busy time (the union of
+   its kernels' intervals), the decode stream's busy time per step (the stream with the
+   most kernels: ~750 a step at 32 rows), and how long it and the codec's stream (the next
+   busiest) ran at the same time.
+
+    python benchmarks/batching_profile.py CHECKPOINT [--streams 32] [--frames 200] [--rounds 1,6]
+        [--modes bf16] [--max-seq-len 2048] [--no-cuda-profile] [--out DIR]
+
+One JSON line per level and run; DIR/batching_profile.json (DIR: --out, else $OUT, else .).
+On a CPU it runs (without the CUDA profile) on a tiny checkpoint, to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks` run as a file
+from benchmarks.engine import BATCH_TEXTS, batching_level, environment, load, start_up_frozen  # noqa: E402
+
+# The calls timed, by thread: (class, method) as the engine's modules name them today. One
+# that no longer exists is reported as missing, not an error.
+ENGINE_THREAD = "fish-sm-batching"
+CODEC_THREAD = "fish-sm-codec"
+TIMED = [
+    ("fish_sm.engine.batching.engine", "BatchEngine", "_schedule"),  # wait for work, the scheduler's decisions
+    ("fish_sm.engine.batching.engine", "BatchEngine", "_execute"),  # admissions, prefills, the step queued
+    ("fish_sm.engine.batching.runner", "ModelRunner", "prefill"),  # chunks that start: prefill and first frames
+    ("fish_sm.engine.batching.runner", "ModelRunner", "decode"),  # one decode step queued (its graph replay)
+    ("fish_sm.engine.batching.engine", "BatchEngine", "_update"),  # stop checks on the last step, hand-over
+    ("fish_sm.engine.batching.scheduler", "Scheduler", "check"),  # one request's frame checked (waits for it)
+    ("fish_sm.engine.generate", "HostCopy", "get"),  # waits for a copy to the host (a step's codes, audio)
+    ("fish_sm.engine.batching.engine", "BatchEngine", "_hand_over"),  # frames to the codec thread
+    ("fish_sm.engine.batching.engine", "BatchEngine", "_retire"),  # a finished request leaves its slot
+    ("fish_sm.engine.batching.runner", "ModelRunner", "move"),  # another request's rows moved into it
+    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_decode_next"),  # choose and decode one batch
+    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_pieces"),  # one batch of pieces through the codec
+    ("fish_sm.engine.codec_stream", "StreamingCodec", "push_many"),  # the codec's fronts and backs
+    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_take_all"),  # frames taken in from the queue
+]
+
+
+def timed_code() -> tuple[dict, list[str]]:
+    """{code object: "Class.method"} for `TIMED`, and those not found."""
+    import importlib
+
+    codes, missing = {}, []
+    for module, cls, name in TIMED:
+        fn = getattr(getattr(importlib.import_module(module), cls, None), name, None)
+        code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+        if code is None:
+            missing.append(f"{cls}.{name}")
+        else:
+            codes[code] = f"{cls}.{name}"
+    return codes, missing
+
+
+class CallTimer:
+    """A profile hook (`sys.setprofile` / `threading.setprofile`) that times the calls of chosen
+    code objects: seconds and calls by (thread name, label), each call from its start to its
+    return (what it calls included)."""
+
+    def __init__(self, codes: dict):
+        self.codes = codes
+        self.started: dict[int, float] = {}  # id(frame) -> start
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            if frame.f_code in self.codes:
+                self.started[id(frame)] = time.perf_counter()
+        elif event == "return":
+            label = self.codes.get(frame.f_code)
+            if label is not None:
+                t0 = self.started.pop(id(frame), None)
+                if t0 is not None:
+                    key = (threading.current_thread().name, label)
+                    self.seconds[key] += time.perf_counter() - t0
+                    self.calls[key] += 1
+
+
+@contextlib.contextmanager
+def timing_new_threads(codes: dict):
+    """A `CallTimer` hooked into the threads started inside the block (the batching engine's,
+    started by `with batcher`)."""
+    timer = CallTimer(codes)
+    threading.setprofile(timer)
+    try:
+        yield timer
+    finally:
+        threading.setprofile(None)
+
+
+def stream_times(trace: list[dict]) -> dict:
+    """Per CUDA stream of a chrome trace: kernels, their summed and busy (union) ms, and its
+    busy intervals (for overlaps)."""
+    by_stream = collections.defaultdict(list)
+    for e in trace:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            by_stream[e.get("args", {}).get("stream", e.get("tid"))].append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+    out = {}
+    for stream, spans in by_stream.items():
+        spans.sort()
+        merged = []
+        for start, end, _ in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        out[stream] = {"kernels": sum(cat == "kernel" for _, _, cat in spans),
+                       "summed_ms": sum(end - start for start, end, _ in spans) / 1e3,
+                       "busy_ms": sum(end - start for start, end in merged) / 1e3, "intervals": merged}
+    return out
+
+
+def overlap_ms(a: list, b: list) -> float:
+    """Time two sorted, disjoint interval lists (µs) share, in ms."""
+    i = j = 0
+    shared = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        shared += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared / 1e3
+
+
+def gpu_summary(prof, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+    streams = stream_times(trace)
+    ranked = sorted(streams, key=lambda s: -streams[s]["kernels"])
+    out = {"streams": {str(s): {k: round(v, 2) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}
+    if ranked:
+        decode = streams[ranked[0]]
+        out["decode_stream"] = str(ranked[0])
+        out["decode_busy_ms_per_step"] = decode["busy_ms"] / max(steps, 1)
+        out["decode_kernels_per_step"] = decode["kernels"] / max(steps, 1)
+        rest = sorted(ranked[1:], key=lambda s: -streams[s]["busy_ms"])
+        if rest:
+            out["codec_stream"] = str(rest[0])
+            out["codec_busy_ms"] = streams[rest[0]]["busy_ms"]
+            out["decode_and_codec_together_ms"] = overlap_ms(decode["intervals"], streams[rest[0]]["intervals"])
+    return out
+
+
+def run_level(batcher, n: int, frames: int, rounds: int, instrumented: bool, codes: dict, cuda_profile: bool) -> dict:
+    """One level on a started-afresh engine (its threads start inside the hook's block)."""
+    from fish_sm.engine.batching import Job
+    from fish_sm.engine.sampling import SamplingParams
+
+    prof = None
+    hook = timing_new_threads(codes) if instrumented else contextlib.nullcontext()
+    with hook as timer, start_up_frozen(), batcher:
+        batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()  # warm-up
+        if timer is not None:
+            timer.seconds.clear(), timer.calls.clear()
+        if instrumented and cuda_profile:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        steps = batcher.steps
+        level = batching_level(batcher, n, frames, True, rounds)
+        steps = batcher.steps - steps
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+    record = {"run": "instrumented" if instrumented else "plain", "streams": n, "rounds": rounds,
+              "aggregate_frames_per_s": level["aggregate_frames_per_s"],
+              "aggregate_decode_frames_per_s": level["aggregate_decode_frames_per_s"],
+              "steady_decode_frames_per_s": level.get("steady_decode_frames_per_s"),
+              "per_request_decode_frames_per_s_median": level["per_request_decode_frames_per_s_median"],
+              "first_audio_ms_p95": level.get("first_audio_ms_p95"), "stopped_early": level["stopped_early"],
+              "wall_s": level["wall_s"], "steps": steps,
+              "decode_span_ms_per_step": level["decode_span_s"] * 1e3 / max(steps, 1)}
+    if timer is not None:
+        record["host_ms_per_step"] = {f"{thread}: {label}": round(s * 1e3 / max(steps, 1), 3)
+                                      for (thread, label), s in sorted(timer.seconds.items())}
+        record["calls"] = {f"{thread}: {label}": c for (thread, label), c in sorted(timer.calls.items())}
+    if prof is not None:
+        record["gpu"] = gpu_summary(prof, steps)
+    return record
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from fish_sm.engine.batching import BatchEngine
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--streams", default="32", help="stream counts, comma-separated")
+    p.add_argument("--frames", type=int, default=200, help="frames per request")
+    p.add_argument("--rounds", default="1,6", help="requests a client: 1 is a burst, more a closed loop")
+    p.add_argument("--modes", default="bf16", help="weights: bf16, int8 (comma-separated: one engine each)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-cuda-profile", action="store_true", help="instrumented runs without torch.profiler")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="where batching_profile.json goes")
+    a = p.parse_args(argv)
+    streams = [int(s) for s in a.streams.split(",")]
+    rounds = [int(r) for r in a.rounds.split(",")]
+    device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    codes, missing = timed_code()
+    out = {"environment": environment(), "frames": a.frames, "max_seq_len": a.max_seq_len, "missing_calls": missing,
+           "modes": {}}
+    if missing:
+        print("not timed (not found):", ", ".join(missing), flush=True)
+    for mode in a.modes.split(","):
+        engine = load(a.checkpoint, mode, device, a.max_seq_len)
+        batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0)
+        t0 = time.perf_counter()
+        batcher.compile()
+        records = out["modes"][mode] = {"slots": batcher.slots, "compile_s": time.perf_counter() - t0, "levels": []}
+        print(mode, json.dumps({k: v for k, v in records.items() if k != "levels"}), flush=True)
+        for n in streams:
+            for r in rounds:
+                for instrumented in (False, True):
+                    record = run_level(batcher, n, a.frames, r, instrumented, codes,
+                                       device.type == "cuda" and not a.no_cuda_profile)
+                    records["levels"].append({"mode": mode, **record})
+                    print(json.dumps(records["levels"][-1]), flush=True)
+                    with open(os.path.join(a.out, "batching_profile.json"), "w") as f:
+                        json.dump(out, f, indent=1)
+        del batcher, engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+if __name__ == "__main__":
+    main()

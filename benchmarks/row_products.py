@@ -1,0 +1,126 @@
+"""The one-row product kernels (`fish_sm.kernels.row_products`) alone, bf16 against INT8 weights,
+at S1-mini's shapes: each product at every launch config of a grid (rows per program, inputs
+per block, warps), against the config the engine ships (`row_products.launch_config`). The
+weights rotate through `--copies` copies, so each call reads them from memory as a decode
+frame does, and the calls run back to back in a CUDA graph (with dependent launch where the
+GPU has it, as in a frame). CUDA only; no checkpoint (random weights of the real shapes).
+
+    python benchmarks/row_products.py [--products "slow wqkv,slow wo,w13,w2,fast wqkv,fast wo"] [--kinds bf16,int8]
+        [--copies 16] [--out DIR]
+
+Per product and weight kind, one line: the shipped config and its µs a call, the best of the
+grid and its µs, the weights' MB and the best config's bandwidth, and the shipped and best
+configs' largest difference from the kernel's torch reference; DIR/row_products.json
+(DIR: --out, else $OUT, else .) has every config's time. A config that is fastest alone is
+not always fastest in a whole frame (docs/benchmarks.md, issue 5): the shipped configs were
+chosen in whole frames; try a change there (benchmarks/frame_timeline.py, benchmarks/engine.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks` run as a file
+from benchmarks.engine import environment, graphed_us  # noqa: E402
+
+# (name, N, K, prologue, residual): a slow layer's four products, then the fast layers' two
+# other shapes (their w13 and w2 are the slow layers').
+PRODUCTS = [("slow wqkv", 4096, 1024, "NORM", False), ("slow wo", 1024, 2048, "PLAIN", True),
+            ("w13", 6144, 1024, "NORM", False), ("w2", 1024, 3072, "SWIGLU", True),
+            ("fast wqkv", 2048, 1024, "NORM", False), ("fast wo", 1024, 1024, "PLAIN", True)]
+GRID = [(n, k, w) for n in (2, 4, 8, 16) for k in (512, 1024, 2048, 4096) for w in (2, 4, 8)]
+EPS = 1e-6
+
+
+def launch(x, w, scale, norm, res, prologue: int, config: tuple[int, int, int]) -> torch.Tensor:
+    """`row_products.row_product`'s kernel launched with `config` (rows per program, inputs per
+    block, warps) instead of `launch_config`'s, no prefetch: as `row_products._launch` launches it."""
+    from fish_sm.kernels import row_products
+    from fish_sm.kernels.launch import dependent_launch
+
+    n, k = w.shape
+    block_n, block_k, warps = config
+    flat = x.reshape(-1)
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    pdl, options = dependent_launch(x.device)
+    row_products._product[(-(-n // block_n),)](
+        flat, norm if norm is not None else flat, w, scale if scale is not None else flat,
+        res.reshape(-1) if res is not None else flat, out, n, EPS, flat, 0, PREFETCH=False,
+        K=k, PROLOGUE=prologue, SCALED=scale is not None, RESIDUAL=res is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
+    return out.view(*x.shape[:-1], n)
+
+
+def product(name: str, n: int, k: int, prologue_name: str, residual: bool, kind: str, copies: int) -> dict:
+    from fish_sm.kernels import row_products
+
+    prologue = getattr(row_products, prologue_name)
+    g = torch.Generator().manual_seed(0)
+    width = 2 * k if prologue == row_products.SWIGLU else k
+    x = (torch.randn(1, 1, width, generator=g) * 2).to("cuda", torch.bfloat16)
+    norm = torch.ones(k, device="cuda", dtype=torch.bfloat16) if prologue == row_products.NORM else None
+    res = torch.randn(1, 1, n, generator=g).to("cuda", torch.bfloat16) if residual else None
+    sets = []
+    for _ in range(copies):
+        w = (torch.randn(n, k, generator=g) * 0.03).to("cuda", torch.bfloat16)
+        if kind == "int8":
+            scale = w.float().abs().amax(1) / 127
+            sets.append((torch.round(w.float() / scale[:, None]).to(torch.int8), scale))
+        else:
+            sets.append((w, None))
+    expected = row_products.reference(x, *sets[0], norm, res, prologue, EPS).float()
+    shipped = row_products.launch_config(n, k, kind == "int8")
+    fits = [c for c in GRID if c[1] <= max(512, 1 << (k - 1).bit_length())]
+    times: dict[tuple, float | str] = {}
+    for config in dict.fromkeys([shipped, *fits]):
+        turn = iter(range(10**9))
+        try:
+            times[config] = graphed_us(lambda c=config: launch(x, *sets[next(turn) % copies], norm, res, prologue, c))
+        except Exception as exc:  # a config that does not compile (registers, shared memory)
+            times[config] = repr(exc)[:200]
+    numeric = {c: t for c, t in times.items() if isinstance(t, float)}
+    best = min(numeric, key=numeric.get)
+    error = {label: (launch(x, *sets[0], norm, res, prologue, config).float() - expected).abs().max().item()
+             for label, config in (("shipped", shipped), ("best", best))}
+    megabytes = n * k * (1 if kind == "int8" else 2) / 1e6
+    return {"product": name, "kind": kind, "shape": [n, k], "shipped": str(shipped),
+            "shipped_us": numeric.get(shipped), "best": str(best), "best_us": numeric[best], "weight_mb": megabytes,
+            "best_gb_per_s": megabytes / numeric[best] * 1e3, "max_abs_error": error,
+            "all": {str(c): t for c, t in times.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--products", default=",".join(name for name, *_ in PRODUCTS),
+                   help="comma-separated, of: " + ", ".join(name for name, *_ in PRODUCTS))
+    p.add_argument("--kinds", default="bf16,int8", help="weights: bf16, int8")
+    p.add_argument("--copies", type=int, default=16, help="copies of the weights the calls rotate through")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="where row_products.json goes")
+    a = p.parse_args(argv)
+    wanted = a.products.split(",")
+    unknown = set(wanted) - {name for name, *_ in PRODUCTS}
+    if unknown:
+        p.error(f"unknown products: {', '.join(sorted(unknown))}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU with Triton (the kernels alone)")
+    out = {"environment": environment(), "copies": a.copies, "products": []}
+    for name, n, k, prologue, residual in PRODUCTS:
+        if name not in wanted:
+            continue
+        for kind in a.kinds.split(","):
+            entry = product(name, n, k, prologue, residual, kind, a.copies)
+            out["products"].append(entry)
+            print(json.dumps({key: v for key, v in entry.items() if key != "all"}), flush=True)
+            with open(os.path.join(a.out, "row_products.json"), "w") as f:
+                json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()

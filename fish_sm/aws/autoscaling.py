@@ -1,0 +1,203 @@
+"""Autoscaling an endpoint's variant: the options checked together, the default target, and the
+policies, scalable target and wake alarm that make it so (or are removed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fish_sm.aws.alarms import delete_alarms, list_alarms
+from fish_sm.aws.container import gpu_count, max_batch, server_kind
+from fish_sm.aws.naming import resource_id, wake_alarm_name
+from fish_sm.aws.session import AWS
+from fish_sm.errors import InputError
+
+DIMENSION = "sagemaker:variant:DesiredInstanceCount"
+POLICY_PREFIX = "fish-sm-"
+WAKE_POLICY = "fish-sm-wake-from-zero"
+
+
+@dataclass
+class Autoscaling:
+    """Target tracking on one metric between min and max instances (min 0: async scale-to-zero)."""
+
+    min: int
+    max: int
+    target: float
+    metric: str  # concurrency | invocations | backlog
+    reason: str = ""  # why this target: --target, or how the default was worked out
+
+    @property
+    def scale_to_zero(self) -> bool:
+        return self.min == 0
+
+
+# Defaults for servers that answer one request at a time per GPU worker (the multi-model
+# server, the stock container's TorchServe), and for the metrics that do not follow slots.
+DEFAULT_TARGETS = {"concurrency": 2.0, "invocations": 60.0, "backlog": 2.0}
+METRIC_UNITS = {"concurrency": "concurrent requests per instance", "invocations": "invocations per instance a minute",
+                "backlog": "queued requests per instance"}
+# The batching server decodes up to FISH_SM_MAX_BATCH requests together on each GPU. Scaling
+# out at half of those slots keeps each stream fast and leaves room for a burst while new
+# instances start (minutes), before requests queue and, past FISH_SM_MAX_QUEUE, get 503: on
+# an H100 at 32 of 64 streams each stream still decodes at >= 6x real time with first audio
+# p95 ~0.12 s (0.3 s through HTTP); at 64, 4x and ~0.3 s (docs/benchmarks.md).
+BATCH_TARGET_SHARE = 0.5
+
+
+def default_target(metric: str, *, instance_type: str, env: dict[str, str] | None = None,
+                   stock_container: bool = False) -> tuple[float, str]:
+    """The target value when --target is not given, and a short reason to print.
+
+    Concurrency on our image: half of the batch slots (FISH_SM_MAX_BATCH x GPUs). On the
+    multi-model server, and for invocations a minute (which depend on how long the texts
+    are, so slots say little about them) or async backlog: the fixed DEFAULT_TARGETS.
+    """
+    env = env or {}
+    server = server_kind(env, stock_container=stock_container)
+    if metric == "concurrency" and server == "batching":
+        batch = max_batch(env)
+        gpus, known = gpu_count(instance_type)
+        value = batch * gpus * BATCH_TARGET_SHARE
+        return value, (f"{BATCH_TARGET_SHARE:.0%} of the batching server's {batch * gpus} slots: "
+                       f"{gpus} GPU{'s' if gpus > 1 else ''} x FISH_SM_MAX_BATCH {batch}"
+                       + ("" if known else f"; {instance_type} is not in fish-sm's GPU table, counted as 1 GPU"))
+    if metric == "concurrency":
+        why = ("the multi-model server (--stock-container, FISH_SM_SERVER=mms) answers one request at a time "
+               "per GPU worker")
+    elif metric == "invocations":
+        why = ("fish-sm's default; invocations a minute depend on text length: set --target from "
+               "`fish-sm bench` req/s x 60")
+    else:
+        why = "fish-sm's default for asynchronous endpoints"
+    return DEFAULT_TARGETS[metric], why
+
+
+def make_autoscaling(*, instances: int, min_instances: int | None, max_instances: int | None,
+                     target: float | None, metric: str, is_async: bool, scale_to_zero: bool,
+                     instance_type: str, env: dict[str, str] | None = None,
+                     stock_container: bool = False) -> Autoscaling | None:
+    """Check the autoscaling options together; None when none were asked for.
+
+    instance_type, env and stock_container pick the default target (see default_target).
+    """
+    if max_instances is None:
+        if scale_to_zero:
+            max_instances = max(instances, 1)
+        elif min_instances is not None or target is not None:
+            raise InputError("autoscaling needs --max (with --min and --target optional)")
+        else:
+            return None
+    if scale_to_zero and not is_async:
+        raise InputError("--scale-to-zero needs --async (real-time endpoints cannot scale to zero instances)")
+    if scale_to_zero and min_instances not in (None, 0):
+        raise InputError("--scale-to-zero sets the minimum to 0; leave out --min")
+    lo = 0 if scale_to_zero else (instances if min_instances is None else min_instances)
+    if lo < 1 and not scale_to_zero:
+        raise InputError("--min must be at least 1 (use --async --scale-to-zero for a minimum of 0)")
+    if max_instances < max(lo, 1):
+        raise InputError(f"--max ({max_instances}) must be at least --min ({lo}) and at least 1")
+    if not lo <= instances <= max_instances:
+        raise InputError(f"--instances ({instances}) must lie between the minimum ({lo}) and --max ({max_instances})")
+    if is_async:
+        metric = "backlog"
+    elif metric == "backlog":
+        raise InputError("the backlog metric is for --async endpoints")
+    if target is None:
+        value, reason = default_target(metric, instance_type=instance_type, env=env, stock_container=stock_container)
+    else:
+        value, reason = float(target), "given with --target"
+    if value <= 0:
+        raise InputError(f"--target must be positive, got {target}")
+    return Autoscaling(lo, max_instances, value, metric, reason)
+
+
+def scalable_target(aws: AWS, name: str) -> dict | None:
+    targets = aws.autoscaling.describe_scalable_targets(
+        ServiceNamespace="sagemaker", ResourceIds=[resource_id(name)], ScalableDimension=DIMENSION)
+    return next(iter(targets.get("ScalableTargets", [])), None)
+
+
+def scaling_policies(aws: AWS, name: str) -> list[dict]:
+    pages = aws.autoscaling.get_paginator("describe_scaling_policies").paginate(
+        ServiceNamespace="sagemaker", ResourceId=resource_id(name), ScalableDimension=DIMENSION)
+    return [p for page in pages for p in page.get("ScalingPolicies", []) if p.get("ResourceId") == resource_id(name)]
+
+
+def policy_request(name: str, scaling: Autoscaling) -> dict:
+    """The target tracking policy for the chosen metric."""
+    if scaling.metric == "backlog":
+        spec = {"CustomizedMetricSpecification": {
+            "MetricName": "ApproximateBacklogSizePerInstance", "Namespace": "AWS/SageMaker",
+            "Dimensions": [{"Name": "EndpointName", "Value": name}], "Statistic": "Average"}}
+        cooldowns = {"ScaleInCooldown": 600, "ScaleOutCooldown": 300}
+    else:
+        metric = {"concurrency": "SageMakerVariantConcurrentRequestsPerModelHighResolution",
+                  "invocations": "SageMakerVariantInvocationsPerInstance"}[scaling.metric]
+        spec = {"PredefinedMetricSpecification": {"PredefinedMetricType": metric}}
+        cooldowns = {"ScaleInCooldown": 300, "ScaleOutCooldown": 60}
+    return dict(PolicyName=POLICY_PREFIX + scaling.metric, ServiceNamespace="sagemaker", ResourceId=resource_id(name),
+                ScalableDimension=DIMENSION, PolicyType="TargetTrackingScaling",
+                TargetTrackingScalingPolicyConfiguration={"TargetValue": scaling.target, **spec, **cooldowns})
+
+
+def wake_policy_request(name: str) -> dict:
+    """Target tracking cannot leave 0 instances (no instance, no backlog per instance): a step adds one."""
+    return dict(PolicyName=WAKE_POLICY, ServiceNamespace="sagemaker", ResourceId=resource_id(name),
+                ScalableDimension=DIMENSION, PolicyType="StepScaling",
+                StepScalingPolicyConfiguration={
+                    "AdjustmentType": "ChangeInCapacity", "MetricAggregationType": "Average", "Cooldown": 300,
+                    "StepAdjustments": [{"MetricIntervalLowerBound": 0, "ScalingAdjustment": 1}]})
+
+
+def wake_alarm_request(name: str, policy_arn: str) -> dict:
+    return dict(
+        AlarmName=wake_alarm_name(name),
+        AlarmDescription=f"fish-sm: requests queued at endpoint {name} with no instance; adds one",
+        Namespace="AWS/SageMaker", MetricName="HasBacklogWithoutCapacity",
+        Dimensions=[{"Name": "EndpointName", "Value": name}],
+        Statistic="Average", Period=60, EvaluationPeriods=2, Threshold=1.0,
+        ComparisonOperator="GreaterThanOrEqualToThreshold", TreatMissingData="missing",
+        AlarmActions=[policy_arn],
+    )
+
+
+def apply_autoscaling(aws: AWS, name: str, scaling: Autoscaling | None) -> list[str]:
+    """Make the endpoint's scaling what was asked for (None: none), removing our stale policies."""
+    if scaling is None:
+        return remove_autoscaling(aws, name)
+    aa, done = aws.autoscaling, []
+    aa.register_scalable_target(ServiceNamespace="sagemaker", ResourceId=resource_id(name),
+                                ScalableDimension=DIMENSION, MinCapacity=scaling.min, MaxCapacity=scaling.max)
+    done.append(f"autoscaling {name}: {scaling.min}-{scaling.max} instances")
+    policy = policy_request(name, scaling)
+    aa.put_scaling_policy(**policy)
+    done.append(f"policy {policy['PolicyName']}: target {scaling.target:g} {METRIC_UNITS[scaling.metric]}")
+    wanted = {policy["PolicyName"]}
+    if scaling.scale_to_zero:
+        arn = aa.put_scaling_policy(**wake_policy_request(name))["PolicyARN"]
+        aws.cloudwatch.put_metric_alarm(**wake_alarm_request(name, arn))
+        wanted.add(WAKE_POLICY)
+        done.append(f"policy {WAKE_POLICY} + alarm {wake_alarm_name(name)}: scales up from zero on a backlog")
+    for p in scaling_policies(aws, name):
+        if p["PolicyName"].startswith(POLICY_PREFIX) and p["PolicyName"] not in wanted:
+            aa.delete_scaling_policy(PolicyName=p["PolicyName"], ServiceNamespace="sagemaker",
+                                     ResourceId=resource_id(name), ScalableDimension=DIMENSION)
+            done.append(f"removed stale policy {p['PolicyName']}")
+    if not scaling.scale_to_zero:
+        done += delete_alarms(aws, [a["AlarmName"] for a in list_alarms(aws, wake_alarm_name(name))])
+    return done
+
+
+def remove_autoscaling(aws: AWS, name: str) -> list[str]:
+    """Delete every scaling policy on the endpoint's variant, its target, and our wake alarm."""
+    aa, done = aws.autoscaling, []
+    for p in scaling_policies(aws, name):
+        aa.delete_scaling_policy(PolicyName=p["PolicyName"], ServiceNamespace="sagemaker",
+                                 ResourceId=resource_id(name), ScalableDimension=DIMENSION)
+        done.append(f"removed scaling policy {p['PolicyName']}")
+    if scalable_target(aws, name) is not None:
+        aa.deregister_scalable_target(ServiceNamespace="sagemaker", ResourceId=resource_id(name),
+                                      ScalableDimension=DIMENSION)
+        done.append(f"removed scalable target {resource_id(name)}")
+    done += delete_alarms(aws, [a["AlarmName"] for a in list_alarms(aws, wake_alarm_name(name))])
+    return done

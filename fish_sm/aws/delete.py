@@ -1,0 +1,33 @@
+"""`fish-sm delete`: remove an endpoint and everything deploys of it made; safe to repeat."""
+
+from __future__ import annotations
+
+from fish_sm.aws.alarms import delete_alarms, list_alarms
+from fish_sm.aws.autoscaling import remove_autoscaling
+from fish_sm.aws.endpoints import describe_endpoint
+from fish_sm.aws.naming import alarm_prefix, check_name, owned
+from fish_sm.aws.session import AWS
+
+
+def _owned_names(pages, list_key: str, name_key: str, name: str) -> list[str]:
+    return sorted(item[name_key] for page in pages for item in page.get(list_key, []) if owned(name, item[name_key]))
+
+
+def delete(aws: AWS, name: str) -> list[str]:
+    """Remove the endpoint and what deploys of it made; returns what was removed ([] if nothing)."""
+    check_name(name)
+    sm, done = aws.sagemaker, []
+    done += remove_autoscaling(aws, name)
+    done += delete_alarms(aws, [a["AlarmName"] for a in list_alarms(aws, alarm_prefix(name))])
+    if describe_endpoint(aws, name) is not None:
+        sm.delete_endpoint(EndpointName=name)
+        done.append(f"removed endpoint {name}")
+    configs = _owned_names(sm.get_paginator("list_endpoint_configs").paginate(NameContains=name),
+                           "EndpointConfigs", "EndpointConfigName", name)
+    for config in configs:
+        sm.delete_endpoint_config(EndpointConfigName=config)
+        done.append(f"removed endpoint config {config}")
+    for model in _owned_names(sm.get_paginator("list_models").paginate(NameContains=name), "Models", "ModelName", name):
+        sm.delete_model(ModelName=model)
+        done.append(f"removed model {model}")
+    return done

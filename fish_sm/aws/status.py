@@ -1,0 +1,45 @@
+"""`fish-sm status`: what a user wants to see about an endpoint, as plain data."""
+
+from __future__ import annotations
+
+from fish_sm.aws.alarms import list_alarms
+from fish_sm.aws.autoscaling import scalable_target, scaling_policies
+from fish_sm.aws.endpoints import endpoint_config, require_endpoint
+from fish_sm.aws.naming import alarm_prefix
+from fish_sm.aws.session import AWS
+
+
+def status(aws: AWS, name: str) -> dict:
+    """What a user wants to see about an endpoint, as plain JSON-able data."""
+    ep = require_endpoint(aws, name)
+    cfg = endpoint_config(aws, ep)
+    variant = (cfg.get("ProductionVariants") or [{}])[0]
+    live = next((v for v in ep.get("ProductionVariants", []) if v.get("VariantName") == variant.get("VariantName")), {})
+    out = {
+        "name": name, "status": ep["EndpointStatus"], "failure_reason": ep.get("FailureReason"),
+        "endpoint_config": ep.get("EndpointConfigName"), "model": variant.get("ModelName"),
+        "instance_type": variant.get("InstanceType"),
+        "instances": {"current": live.get("CurrentInstanceCount"), "desired": live.get("DesiredInstanceCount")},
+        "created": str(ep.get("CreationTime")), "modified": str(ep.get("LastModifiedTime")),
+        "async": None, "autoscaling": None, "alarms": [],
+    }
+    if cfg.get("AsyncInferenceConfig"):
+        oc = cfg["AsyncInferenceConfig"].get("OutputConfig", {})
+        out["async"] = {"output": oc.get("S3OutputPath"), "failure": oc.get("S3FailurePath"),
+                        "max_concurrent": cfg["AsyncInferenceConfig"].get("ClientConfig", {})
+                        .get("MaxConcurrentInvocationsPerInstance")}
+    target = scalable_target(aws, name)
+    if target is not None:
+        policies = []
+        for p in scaling_policies(aws, name):
+            tt = p.get("TargetTrackingScalingPolicyConfiguration")
+            metric = None
+            if tt:
+                metric = (tt.get("PredefinedMetricSpecification", {}).get("PredefinedMetricType")
+                          or tt.get("CustomizedMetricSpecification", {}).get("MetricName"))
+            policies.append({"name": p["PolicyName"], "type": p["PolicyType"], "metric": metric,
+                             "target": tt.get("TargetValue") if tt else None})
+        out["autoscaling"] = {"min": target["MinCapacity"], "max": target["MaxCapacity"], "policies": policies}
+    out["alarms"] = [{"name": a["AlarmName"], "state": a.get("StateValue"), "metric": a.get("MetricName")}
+                     for a in list_alarms(aws, alarm_prefix(name))]
+    return out

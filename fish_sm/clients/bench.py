@@ -1,0 +1,197 @@
+"""Load tests: closed-loop clients at several concurrencies against an endpoint, a URL or a local server.
+
+Each concurrency level runs its requests through a pool of that many threads (each thread
+sends its next request when the last one is answered), so the level measures what that many
+simultaneous users see. Figures: latency percentiles, requests per second, audio seconds
+produced per wall second (the capacity figure for TTS), real-time factor, errors by kind,
+and requests the server rejected because it was full (503 with Retry-After: counted, not
+retried, as a client that gives up would see it). With streaming, also the time to the
+first audio byte, which is what a listener waits for.
+The report (table, JSON, HTML) is fish_sm.clients.report's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from fish_sm.clients.response import ServiceError
+from fish_sm.contract import STREAM_FORMATS
+from fish_sm.errors import InputError
+
+# Varied lengths on purpose: TTS latency grows with the audio produced, so a benchmark of one
+# short sentence says little about a service that reads paragraphs.
+BUILTIN_TEXTS = [
+    "Hello.",
+    "Your order has shipped and will arrive on Thursday.",
+    "The quick brown fox jumps over the lazy dog, and the dog does not seem to mind at all.",
+    "Please hold while I transfer your call. A member of our team will be with you in just a moment, "
+    "and we appreciate your patience.",
+    "In the beginning, the river was only a thin line of silver between the hills. Over many centuries it "
+    "cut deeper, carrying sand and stone to the sea, until the valley we know today took shape around it.",
+    "Welcome to the quarterly review. Revenue grew eleven percent over the previous quarter, driven mostly by "
+    "new customers in Europe and Asia. Operating costs stayed flat, and we expect the same trend to continue "
+    "through the end of the year, although currency movements remain a risk that we are watching closely.",
+    "Numbers and dates test a reader too: on March 3rd, 2024, at 4:15 pm, flight 208 left gate B12 with "
+    "164 passengers.",
+    "Is it raining? Bring an umbrella, just in case!",
+]
+
+
+def load_texts(path: Path) -> list[dict]:
+    """One request per line: plain text, or a JSON object with at least "text"."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--texts file not found: {path}")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                doc = json.loads(line)
+            except ValueError as exc:
+                raise InputError(f"{path}:{n}: not valid JSON ({exc})") from None
+            if not isinstance(doc.get("text"), str) or not doc["text"].strip():
+                raise InputError(f"{path}:{n}: a JSON line needs a non-empty \"text\"")
+            out.append(doc)
+        else:
+            out.append({"text": line})
+    if not out:
+        raise InputError(f"{path} holds no texts")
+    return out
+
+
+def parse_concurrency(spec: str) -> list[int]:
+    try:
+        levels = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--concurrency must be numbers separated by commas, got {spec!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise InputError(f"--concurrency levels must be at least 1, got {spec!r}")
+    return sorted(set(levels))
+
+
+@dataclass
+class Sample:
+    concurrency: int
+    index: int
+    start_s: float  # since the level began
+    latency_s: float
+    ok: bool
+    kind: str  # "ok" or the error kind
+    audio_seconds: float | None
+    text_chars: int
+    error: str | None = None
+    first_audio_s: float | None = None  # streamed requests: time to the first audio byte
+
+
+def _one(target, request: dict, accept: str, concurrency: int, index: int, t0: float) -> Sample:
+    start = time.perf_counter()
+    chars = len(request.get("text", ""))
+    try:
+        response = target.send(request, accept)
+    except ServiceError as exc:
+        return Sample(concurrency, index, start - t0, time.perf_counter() - start, False, exc.kind, None, chars, str(exc))
+    except Exception as exc:  # anything else still counts, by its type, rather than killing the run
+        return Sample(concurrency, index, start - t0, time.perf_counter() - start, False, type(exc).__name__, None,
+                      chars, str(exc))
+    return Sample(concurrency, index, start - t0, response.latency_s, True, "ok", response.audio_seconds, chars,
+                  first_audio_s=response.first_audio_s)
+
+
+def run_level(target, requests: list[dict], concurrency: int,
+              accept: str = "audio/wav") -> tuple[list[Sample], float]:
+    """Send every request with `concurrency` workers; returns the samples and the wall time."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"bench-c{concurrency}") as pool:
+        futures = [pool.submit(_one, target, r, accept, concurrency, i, t0) for i, r in enumerate(requests)]
+        samples = [f.result() for f in futures]
+    return samples, time.perf_counter() - t0
+
+
+def _pct(values, q) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+REJECTED = "rejected"  # the kind of a 503 with Retry-After: the server was full
+
+
+def summarize(samples: list[Sample], wall_s: float, concurrency: int) -> dict:
+    """Figures for one level; latency, first audio and RTF over successful requests only."""
+    ok = [s for s in samples if s.ok]
+    lat = np.array([s.latency_s for s in ok])
+    first = np.array([s.first_audio_s for s in ok if s.first_audio_s is not None]) * 1000
+    audio = [s.audio_seconds for s in ok if s.audio_seconds is not None]
+    rtf = np.array([s.latency_s / s.audio_seconds for s in ok if s.audio_seconds])
+    errors = Counter(s.kind for s in samples if not s.ok and s.kind != REJECTED)
+    examples = {}
+    for s in samples:
+        if not s.ok and s.kind not in examples:
+            examples[s.kind] = s.error
+    total_audio = float(sum(audio))
+    return {
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "ok": len(ok),
+        "rejected": sum(1 for s in samples if not s.ok and s.kind == REJECTED),
+        "errors": dict(sorted(errors.items())),
+        "error_examples": examples,
+        "wall_s": wall_s,
+        "rps": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "audio_seconds": total_audio,
+        "audio_seconds_per_wall_second": total_audio / wall_s if wall_s > 0 else 0.0,
+        "latency_s": {"p50": _pct(lat, 50), "p95": _pct(lat, 95), "p99": _pct(lat, 99),
+                      "mean": float(lat.mean()) if len(lat) else None,
+                      "min": float(lat.min()) if len(lat) else None,
+                      "max": float(lat.max()) if len(lat) else None},
+        "first_audio_ms": {"p50": _pct(first, 50), "p95": _pct(first, 95),
+                           "mean": float(first.mean()) if len(first) else None},
+        "rtf": {"p50": _pct(rtf, 50), "p95": _pct(rtf, 95), "mean": float(rtf.mean()) if len(rtf) else None},
+    }
+
+
+def run_bench(target, *, concurrencies: list[int], requests_per_level: int, texts: list[dict],
+              base: dict | None = None, accept: str = "audio/wav", warmup: int = 1, stream: bool = False,
+              log=lambda s: None) -> dict:
+    """The whole benchmark: warm-up, then each level in turn; returns the report as plain data.
+
+    stream: every request asks for a streamed answer, and each sample records its first audio.
+    """
+    if requests_per_level < 1:
+        raise InputError(f"--requests must be at least 1, got {requests_per_level}")
+    base = dict(base or {})
+    if stream:
+        fmt = base.get("format", "wav")
+        if fmt not in STREAM_FORMATS:
+            raise InputError(f"--stream sends {' or '.join(STREAM_FORMATS)}, not {fmt}")
+        base["stream"] = True
+    requests = [{**base, **texts[i % len(texts)]} for i in range(requests_per_level)]
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    for i in range(warmup):  # first requests pay for lazy loading and compilation: not measured
+        s = _one(target, requests[i % len(requests)], accept, 0, i, time.perf_counter())
+        log(f"warm-up {i + 1}/{warmup}: {'ok' if s.ok else s.error} in {s.latency_s:.2f} s")
+    levels, samples = [], []
+    for c in concurrencies:
+        level_samples, wall = run_level(target, requests, c, accept)
+        summary = summarize(level_samples, wall, c)
+        levels.append(summary)
+        samples.extend(level_samples)
+        lat, first = summary["latency_s"]["p50"], summary["first_audio_ms"]["p50"]
+        log(f"concurrency {c}: {summary['ok']}/{summary['requests']} ok in {wall:.1f} s"
+            + (f", p50 {lat:.2f} s" if lat is not None else "")
+            + (f", first audio p50 {first:.0f} ms" if first is not None else "")
+            + (f", {summary['rejected']} rejected (server full)" if summary["rejected"] else ""))
+    return {
+        "target": str(target), "started": started, "accept": accept, "stream": stream,
+        "requests_per_level": requests_per_level, "texts": len(texts), "warmup": warmup, "levels": levels,
+        "samples": [asdict(s) for s in samples],
+    }

@@ -1,0 +1,106 @@
+"""A SageMaker endpoint: real-time InvokeEndpoint, InvokeEndpointWithResponseStream for
+streamed answers (PayloadPart events), and asynchronous inference through S3."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fish_sm.aws import AWSError, Log, quiet
+from fish_sm.aws.endpoints import endpoint_config, require_endpoint
+from fish_sm.aws.s3 import S3Uri, get_bytes, head_object, parse_s3_uri, put_bytes
+from fish_sm.aws.session import AWS, error_code, error_message
+from fish_sm.clients.response import Response, ServiceError, error_text
+from fish_sm.clients.stream import stream_response
+
+
+class EndpointTarget:
+    """Real-time invoke_endpoint on one endpoint; safe to share across threads."""
+
+    def __init__(self, aws: AWS, name: str, *, check: bool = True):
+        self.aws, self.name = aws, name
+        if check:
+            ep = require_endpoint(aws, name)
+            if ep["EndpointStatus"] not in ("InService", "Updating", "SystemUpdating"):
+                reason = ep.get("FailureReason")
+                raise AWSError(f"endpoint {name} is {ep['EndpointStatus']}" + (f": {reason}" if reason else ""))
+
+    def __str__(self) -> str:
+        return f"endpoint {self.name}"
+
+    def send(self, request: dict, accept: str = "audio/wav") -> Response:
+        """invoke_endpoint; invoke_endpoint_with_response_stream when the request says "stream"."""
+        data = json.dumps(request).encode()
+        t0 = time.perf_counter()
+        try:
+            if request.get("stream"):
+                r = self.aws.runtime.invoke_endpoint_with_response_stream(
+                    EndpointName=self.name, Body=data, ContentType="application/json", Accept=accept)
+                parts = (event["PayloadPart"].get("Bytes", b"") for event in r["Body"] if "PayloadPart" in event)
+                return stream_response(parts, r.get("ContentType", accept), t0, request.get("sample_rate"))
+            r = self.aws.runtime.invoke_endpoint(EndpointName=self.name, Body=data,
+                                                 ContentType="application/json", Accept=accept)
+            body = r["Body"].read()
+        except Exception as exc:
+            raise _runtime_error(exc, self.name) from None
+        return Response(body, r.get("ContentType", accept), time.perf_counter() - t0,
+                        sample_rate=request.get("sample_rate"))
+
+
+def _runtime_error(exc: Exception, name: str) -> Exception:
+    """Map botocore errors from sagemaker-runtime to ServiceError with a kind for statistics.
+
+    A stream that fails after it began raises ModelStreamError or InternalStreamFailure while
+    its events are read; those become ServiceErrors of that kind like any other code.
+    """
+    code = error_code(exc)
+    if code == "ModelError":
+        status = exc.response.get("OriginalStatusCode")
+        original = exc.response.get("OriginalMessage") or error_message(exc)
+        text = error_text(original)
+        # SageMaker relays the status and body, not the headers: the server's 503 says "retry after".
+        kind = "rejected" if status == 503 and "retry after" in text.lower() else f"HTTP {status}"
+        return ServiceError(f"endpoint {name} answered {status}: {text}", kind, status)
+    if code:
+        return ServiceError(f"endpoint {name}: {code}: {error_message(exc)}", code)
+    name_ = type(exc).__name__
+    if "Timeout" in name_:
+        return ServiceError(f"endpoint {name}: no answer in time ({exc})", "timeout")
+    if "Connect" in name_:
+        return ServiceError(f"endpoint {name}: cannot connect ({exc})", "connection")
+    return exc
+
+
+def invoke_async(aws: AWS, name: str, request: dict, accept: str = "audio/wav", *,
+                 input_location: S3Uri | None = None, timeout_s: float = 900, poll_s: float = 5.0,
+                 log: Log = quiet) -> Response:
+    """Upload the request, invoke_endpoint_async, and wait for the output or failure object."""
+    ep = require_endpoint(aws, name)
+    async_config = endpoint_config(aws, ep).get("AsyncInferenceConfig")
+    if not async_config:
+        raise AWSError(f"endpoint {name} is real-time; leave out --async")
+    if input_location is None:  # next to the outputs: the endpoint's role can already read that bucket
+        output = parse_s3_uri(async_config["OutputConfig"]["S3OutputPath"], prefix=True)
+        input_location = S3Uri(output.bucket, "fish-sm/async-inputs/")
+    source = input_location.join(f"{uuid.uuid4().hex}.json")
+    put_bytes(aws, source, json.dumps(request).encode(), "application/json")
+    t0 = time.perf_counter()
+    try:
+        r = aws.runtime.invoke_endpoint_async(EndpointName=name, InputLocation=str(source),
+                                              ContentType="application/json", Accept=accept)
+    except Exception as exc:
+        raise _runtime_error(exc, name) from None
+    output = parse_s3_uri(r["OutputLocation"], what="OutputLocation", prefix=False)
+    failure = parse_s3_uri(r["FailureLocation"], what="FailureLocation", prefix=False) if r.get("FailureLocation") else None
+    log(f"queued {r.get('InferenceId', '')}: request {source}, result {output}")
+    while True:
+        head = head_object(aws, output)
+        if head is not None:
+            return Response(get_bytes(aws, output), head.get("ContentType") or accept, time.perf_counter() - t0)
+        if failure is not None and head_object(aws, failure) is not None:
+            raise ServiceError(f"endpoint {name} failed the request: {error_text(get_bytes(aws, failure))}",
+                               "async failure")
+        if time.perf_counter() - t0 > timeout_s:
+            raise AWSError(f"no result after {int(timeout_s)} s; it will appear at {output}")
+        time.sleep(poll_s)

@@ -1,0 +1,172 @@
+"""A benchmark's report: a terminal table, bench.json, and bench.html with matplotlib plots
+embedded as PNG data URIs."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fish_sm.aws import AWSError
+
+
+def _fmt(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+TABLE_COLUMNS = ["conc", "ok/n", "p50 s", "p95 s", "p99 s", "req/s", "audio s/s", "RTF p50", "rejected", "errors"]
+FIRST_AUDIO_COLUMNS = ["1st p50 ms", "1st p95 ms"]  # streamed runs: after the latency percentiles
+
+
+def table_columns(report: dict) -> list[str]:
+    if not report.get("stream"):
+        return TABLE_COLUMNS
+    return TABLE_COLUMNS[:5] + FIRST_AUDIO_COLUMNS + TABLE_COLUMNS[5:]
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for lv in report["levels"]:
+        lat = lv["latency_s"]
+        errors = ", ".join(f"{k}: {n}" for k, n in lv["errors"].items()) or "-"
+        first = lv.get("first_audio_ms") or {}
+        row = [str(lv["concurrency"]), f"{lv['ok']}/{lv['requests']}", _fmt(lat["p50"]), _fmt(lat["p95"]),
+               _fmt(lat["p99"]), _fmt(lv["rps"]), _fmt(lv["audio_seconds_per_wall_second"]),
+               _fmt(lv["rtf"]["p50"], ".3f"), str(lv.get("rejected", 0)), errors]
+        if report.get("stream"):
+            row[5:5] = [_fmt(first.get("p50"), ".0f"), _fmt(first.get("p95"), ".0f")]
+        rows.append(row)
+    return rows
+
+
+def format_table(report: dict) -> str:
+    """The summary as a fixed-width text table for the terminal."""
+    columns = table_columns(report)
+    rows = [columns] + table_rows(report)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    lines = ["  ".join(cell.rjust(w) if i < len(widths) - 1 else cell for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(report: dict, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def plots(report: dict) -> dict[str, str]:
+    """title -> PNG data URI: latency per concurrency, throughput vs concurrency, latency vs audio length,
+    and for streamed runs the time to first audio vs concurrency."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise AWSError("the HTML report's plots need matplotlib: pip install 'fish-sm[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = report["levels"]
+    conc = [lv["concurrency"] for lv in levels]
+    by_level = {c: [s for s in report["samples"] if s["concurrency"] == c and s["ok"]] for c in conc}
+    out = {}
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    data = [[s["latency_s"] for s in by_level[c]] or [np.nan] for c in conc]
+    ax.boxplot(data, showfliers=False)
+    rng = np.random.default_rng(0)
+    for i, values in enumerate(data, 1):
+        ax.scatter(i + rng.uniform(-0.15, 0.15, len(values)), values, s=8, alpha=0.5)
+    ax.set_xticks(range(1, len(conc) + 1), [str(c) for c in conc])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("latency (s)")
+    ax.set_title("Latency distribution per concurrency")
+    out["Latency distribution per concurrency"] = _png(fig)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(conc, [lv["rps"] for lv in levels], "o-", label="requests / s")
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("requests per second")
+    ax2 = ax.twinx()
+    ax2.plot(conc, [lv["audio_seconds_per_wall_second"] for lv in levels], "s--", color="tab:orange",
+             label="audio s / wall s")
+    ax2.set_ylabel("audio seconds per wall second")
+    if len(conc) > 1 and max(conc) / min(conc) >= 8:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(conc, [str(c) for c in conc])
+    ax.set_ylim(bottom=0)
+    ax2.set_ylim(bottom=0)
+    ax.set_title("Throughput against concurrency")
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, frameon=False)
+    out["Throughput against concurrency"] = _png(fig)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c in conc:
+        pts = [(s["audio_seconds"], s["latency_s"]) for s in by_level[c] if s["audio_seconds"] is not None]
+        if pts:
+            ax.scatter(*zip(*pts), s=10, label=f"{c} clients")
+    ax.set_xlabel("audio produced (s)")
+    ax.set_ylabel("latency (s)")
+    ax.set_title("Latency against audio length")
+    if any(by_level.values()):
+        ax.legend()
+    out["Latency against audio length"] = _png(fig)
+    plt.close(fig)
+
+    if report.get("stream"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for q, style in (("p95", "o-"), ("p50", "s--")):
+            values = [lv["first_audio_ms"][q] for lv in levels]
+            ax.plot(conc, [np.nan if v is None else v for v in values], style, label=f"first audio {q}")
+        if len(conc) > 1 and max(conc) / min(conc) >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("time to first audio (ms)")
+        ax.set_title("Time to first audio against concurrency")
+        ax.legend()
+        out["Time to first audio against concurrency"] = _png(fig)
+        plt.close(fig)
+    return out
+
+
+def write_html(report: dict, path: Path) -> Path:
+    """A self-contained page: the table, the plots as <img> data URIs, and the error examples."""
+    images = plots(report)
+    esc = html.escape
+    head = "".join(f"<th>{esc(c)}</th>" for c in table_columns(report))
+    body = "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in table_rows(report))
+    figs = "".join(f'<h2>{esc(t)}</h2>\n<img alt="{esc(t)}" src="{uri}">\n' for t, uri in images.items())
+    errors = "".join(f"<li>concurrency {lv['concurrency']}, {esc(kind)}: {esc(str(msg))}</li>"
+                     for lv in report["levels"] for kind, msg in lv["error_examples"].items())
+    streamed = (", streamed: 1st p50/p95 ms is the time to the first audio byte"
+                if report.get("stream") else "")
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>fish-sm bench: {esc(report['target'])}</title>
+<style>body{{font-family:sans-serif;max-width:960px;margin:2em auto}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:100%}}</style></head>
+<body><h1>fish-sm bench</h1>
+<p>Target: {esc(report['target'])}<br>Started: {esc(report['started'])} UTC<br>
+{report['requests_per_level']} requests per level over {report['texts']} texts, {report['warmup']} warm-up, Accept {esc(report['accept'])}{streamed}</p>
+<table><tr>{head}</tr>{body}</table>
+{figs}<h2>Errors and rejections</h2><ul>{errors or '<li>none</li>'}</ul>
+</body></html>
+"""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path

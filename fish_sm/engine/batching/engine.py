@@ -1,0 +1,299 @@
+"""BatchEngine: the batching engine's public face and its two threads.
+
+The engine thread repeats one iteration of three calls: `_schedule` (under the lock: wait for
+work, then the scheduler moves waiting requests into free slots and says whose next chunk
+starts), `_execute` (the runner: their prefills and first frames, then one decode step for
+every request that wants a frame, queued on the GPU) and `_update` (the scheduler's stop
+checks on the frames queued before, read while that step runs; frames go to the codec
+thread, finished requests leave their slots)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fish_sm.engine.engine import Engine, check_text
+from fish_sm.errors import FishSMError, InputError
+from fish_sm.engine.batching.codec_worker import CodecWorker
+from fish_sm.engine.batching.prefix_cache import PrefixCache
+from fish_sm.engine.batching.request import EngineStopped, Event, Job, Ticket
+from fish_sm.engine.batching.runner import ModelRunner
+from fish_sm.engine.batching.scheduler import Queued, Request, Schedule, Scheduler
+
+logger = logging.getLogger("fish_sm.batching")
+
+
+class BatchEngine:
+    """Iteration-level scheduling over an `Engine`'s model (which it takes over: the
+    KV cache is re-made with one row per slot)."""
+
+    def __init__(self, engine: Engine, max_batch: int = 64, max_queue: int | None = None,
+                 prefix_cache: int = 8, memory_fraction: float = 0.9, first_piece: int = 4, largest_piece: int = 64,
+                 codec_precision: str = "auto"):
+        self.engine, self.model = engine, engine.model
+        self.device = engine.device
+        self._codec = CodecWorker(engine, first_piece, largest_piece, codec_precision)
+        # The codec's working memory is measured before the slots are sized around it.
+        self.runner = ModelRunner(engine, max_batch, memory_fraction, prefix_cache, self._codec.codec.working_bytes)
+        slots = self.runner.slots
+        self.scheduler = Scheduler(slots, slots if max_queue is None else max_queue, self.model.im_end_id,
+                                   self.runner.new_generator)
+        self._lock = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what stopped the engine thread, if it failed
+        self._decoded: list[tuple[Ticket, np.ndarray]] = []  # checked frames not yet handed to the codec
+        # The decode loop's CUDA stream, of high priority: the codec's large kernels (on a
+        # stream of their own) would otherwise hold the SMs that each of a decode step's ~1,100
+        # small kernels waits for, stretching every stream's frames.
+        self.decode_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+
+    @property
+    def slots(self) -> int:
+        return self.runner.slots
+
+    @property
+    def max_queue(self) -> int:
+        return self.scheduler.max_queue
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.runner.max_seq_len
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return self.runner.batch_sizes
+
+    @property
+    def prefixes(self) -> PrefixCache:
+        return self.runner.prefixes
+
+    @property
+    def steps(self) -> int:
+        """Decode steps run so far."""
+        return self.runner.steps
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def compile(self) -> None:
+        """Capture the decode step for every batch size and attention bucket, the admissions
+        and the codec (CUDA), now rather than on a request."""
+        if self.device.type != "cuda":
+            return
+        seconds = self.runner.capture()
+        t0 = time.perf_counter()
+        self._codec.capture(pieces=12)  # the rest of a long utterance's pieces are captured when first reached
+        # The warm-up runs before each capture leave blocks cached: hand back what no graph holds.
+        torch.cuda.empty_cache()
+        step = self.runner.captured
+        logger.info("batching: captured %d decode, %d admission and %d codec graphs in %.1f s; %.1f GiB of %.1f "
+                    "GiB free", len(step.graphs), len(step.admissions), len(self._codec.codec.graphs),
+                    seconds + time.perf_counter() - t0, *(b / 2**30 for b in torch.cuda.mem_get_info(self.device)))
+
+    def start(self) -> "BatchEngine":
+        # The decode loop and the codec thread hand the GIL to each other many times a
+        # frame; Python's default 5 ms switch interval would stall the loop behind the codec.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
+        self._running = True
+        if self.decode_stream is not None:  # after the set-up work queued on this thread's stream
+            self.decode_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._codec.start()
+        self._thread = threading.Thread(target=self._loop, name="fish-sm-batching", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._running = False
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self._codec.stop()
+        if self.decode_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- the public side ---------------------------------------------------------------
+
+    def submit(self, job: Job, sink: Callable[[Event], None] | None = None, bounded: bool = True) -> Ticket:
+        """Queue a job; raises `Overloaded` at once when no slot and no queue place is free.
+        `bounded=False` queues it beyond `max_queue`, for a caller that keeps at most one job
+        waiting at a time (the lines of a JSON Lines body): it never takes another client's place."""
+        check_text(job.text, job.chunk_length)
+        ticket = Ticket(job, sink)
+        ticket.bounded = bounded
+        with self._lock:
+            if not self.alive():
+                raise EngineStopped("the batching engine is not running" if self.failure is None else
+                                    f"the batching engine stopped after an internal error ({type(self.failure).__name__})")
+            self.scheduler.add(ticket)
+            self._lock.notify_all()
+        return ticket
+
+    def alive(self) -> bool:
+        """Both threads running: false for good once either has failed."""
+        return (self._running and self._thread is not None and self._thread.is_alive() and self._codec.alive()
+                and self.failure is None)
+
+    def load(self) -> dict:
+        with self._lock:
+            return {"slots": self.slots, "active": self.scheduler.num_active, "waiting": self.scheduler.num_waiting,
+                    "max_queue": self.max_queue}
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        """The engine thread. Whatever escapes the loop (a bug, not a request's problem) stops
+        the engine: every request it holds fails and `alive()` turns false, so the server
+        reports unhealthy and the platform replaces it, rather than hanging on requests."""
+        try:
+            self._serve()
+        except BaseException as exc:  # logged here; the thread then ends quietly
+            logger.exception("the batching engine failed; it serves no more requests")
+            self._stop_serving(exc)
+
+    def _stop_serving(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failure, self._running = exc, False
+            waiting = self.scheduler.take_all_waiting()
+            self._lock.notify_all()
+        error = EngineStopped(f"the batching engine stopped after an internal error ({type(exc).__name__})")
+        for request in self.scheduler.drop_active():
+            request.ticket.emit("error", error)
+        for ticket in waiting:
+            ticket.emit("error", error)
+
+    def _serve(self) -> None:
+        pending: list[Queued] = []  # frames queued by the last iteration's step, checked in this one
+        on_stream = torch.cuda.stream(self.decode_stream) if self.decode_stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), on_stream:
+            while True:
+                schedule = self._schedule(pending)
+                if schedule is None:
+                    break
+                try:
+                    first, step = self._execute(schedule)
+                    self._update(pending + first)  # while `step` runs on the GPU
+                    pending = step
+                except Exception as exc:  # a failure of the shared step fails every request in it
+                    logger.exception("batching step failed")
+                    if self.device.type == "cuda" and isinstance(exc, torch.cuda.OutOfMemoryError):
+                        torch.cuda.empty_cache()
+                    for request in self.scheduler.active():
+                        self._fail(request, exc)
+                    pending = []
+        for request in self.scheduler.active():
+            self._fail(request, FishSMError("the server is shutting down"))
+        for ticket in self.scheduler.waiting():
+            ticket.emit("error", FishSMError("the server is shutting down"))
+
+    def _schedule(self, pending: list[Queued]) -> Schedule | None:
+        """Wait for work, then the scheduler's decisions for this iteration (under the lock);
+        None once the engine stops. Requests whose own set-up failed get their error here."""
+        with self._lock:
+            while self._running and not self.scheduler.has_work() and not pending:
+                self._lock.wait()
+            if not self._running:
+                return None
+            if not self._codec.alive():
+                raise EngineStopped("the codec worker has stopped")
+            schedule = self.scheduler.schedule()
+        for ticket, exc in schedule.refused:
+            ticket.emit("error", exc)
+        return schedule
+
+    def _execute(self, schedule: Schedule) -> tuple[list[Queued], list[Queued]]:
+        """The model's work for one iteration: the admitted requests' sampling parameters into
+        their slots, the prefills of the chunks that start (with their first frames), then one
+        decode step for every request that wants a frame. Returns the first frames and the
+        step's frames, both still on their way to the host."""
+        for request in schedule.admitted:
+            self._admit(request)
+        first = self._start_chunks(schedule.starting)
+        rows = self.scheduler.decoding()
+        step = self.runner.decode(rows, self.scheduler.num_active)
+        self.scheduler.advance(rows)
+        return first, step
+
+    def _update(self, frames: list[Queued]) -> None:
+        """Stop checks and delivery for frames queued earlier: each request's codes go to the
+        codec, a request whose last chunk ended completes, cancelled requests leave their slots."""
+        for queued in frames:
+            checked = self.scheduler.check(queued)
+            if checked.cancelled:
+                self._retire(queued.request)
+                continue
+            if checked.codes is not None:
+                self._decoded.append((queued.request.ticket, checked.codes))
+            if checked.complete:
+                self._complete(queued.request)
+        self._hand_over()
+        for request in self.scheduler.cancelled():
+            self._retire(request)
+
+    def _admit(self, request: Request) -> None:
+        request.ticket.timings["queue"] = time.perf_counter() - request.ticket.submitted
+        request.ticket.emit("admitted", None)
+        self.runner.set_sampling(request.slot, request.params)
+
+    def _start_chunks(self, requests: list[Request]) -> list[Queued]:
+        """Prefill each request's next chunk into its slot and sample that chunk's first frame
+        (`ModelRunner.prefill`). A request whose prompt fails fails alone, after the others
+        started (retiring it moves another request's slot)."""
+        failed, ready = [], []
+        for request in requests:
+            self.scheduler.next_chunk(request)
+            try:
+                prompt, max_new, start = self.runner.prepare_chunk(request)
+            except (InputError, torch.cuda.OutOfMemoryError) as exc:
+                failed.append((request, exc))
+                continue
+            self.scheduler.chunk_started(request, prompt.shape[1], max_new)
+            ready.append((request, prompt, start))
+        first, out_of_memory = self.runner.prefill(ready)
+        for request, exc in failed + out_of_memory:
+            self._fail(request, exc)
+        return first
+
+    def _complete(self, request: Request) -> None:
+        ticket = request.ticket
+        now = time.perf_counter()
+        ticket.timings["generate"] = now - ticket.submitted - ticket.timings.get("queue", 0.0)
+        self._hand_over()  # its last frames before its end
+        self._codec.finish(ticket, request.spoken)
+        self._retire(request)
+
+    def _hand_over(self) -> None:
+        """Frames checked since the last hand-over go to the codec: once per step, not once per request."""
+        if self._decoded:
+            self._codec.frames(self._decoded)
+            self._decoded = []
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        request.ticket.emit("error", exc)
+        self._retire(request)
+
+    def _retire(self, request: Request) -> None:
+        """Free the request's slot: the scheduler moves the last active request into it, the
+        runner copies that one's rows."""
+        if request.retired:
+            return
+        move = self.scheduler.retire(request)
+        if move is not None:
+            self.runner.move(move)
+        if request.ticket.cancelled:
+            self._codec.cancel(request.ticket)
+        with self._lock:
+            self._lock.notify_all()

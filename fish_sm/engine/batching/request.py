@@ -1,0 +1,89 @@
+"""What callers hand the batching engine and what they get back: jobs, tickets and their
+events, and the engine's refusals."""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from fish_sm.contract import SamplingParams
+from fish_sm.engine.engine import DEFAULT_CHUNK_LENGTH, Reference, Synthesis
+from fish_sm.errors import FishSMError
+
+
+class Overloaded(FishSMError):
+    """Every slot is busy and the waiting queue is full."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineStopped(FishSMError):
+    """The engine no longer serves: it was stopped, or one of its threads failed."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request for the batching engine."""
+
+    text: str
+    references: tuple[Reference, ...] = ()
+    chunk_length: int = DEFAULT_CHUNK_LENGTH
+    params: SamplingParams = SamplingParams()
+    stream: bool = False  # audio in pieces as frames are decoded (see codec_stream), else the whole at the end
+
+
+# What a ticket's sink receives, in this order: ("admitted", None) when it leaves the queue
+# for a slot, ("audio", float32 samples) any number of times (once, when not streaming), then
+# ("done", Synthesis without audio) or ("error", exc); an error may also come first.
+Event = tuple[str, object]
+
+
+class Ticket:
+    """A submitted job: its events go to `sink` (called from the engine's threads), or,
+    without one, to a queue read by `events()`. `cancel()` frees its slot at the next step."""
+
+    def __init__(self, job: Job, sink: Callable[[Event], None] | None = None):
+        self.job = job
+        self.cancelled = False
+        self.bounded = True  # counts against the engine's max_queue while it waits
+        self.submitted = time.perf_counter()
+        self.timings: dict[str, float] = {}
+        self._queue: queue.SimpleQueue | None = None
+        if sink is None:
+            self._queue = queue.SimpleQueue()
+            sink = self._queue.put
+        self._sink = sink
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def emit(self, kind: str, payload) -> None:
+        if not self.cancelled:
+            self._sink((kind, payload))
+
+    def events(self):
+        """Blocking iteration over the events (only without a sink)."""
+        while True:
+            kind, payload = self._queue.get()
+            yield kind, payload
+            if kind in ("done", "error"):
+                return
+
+    def result(self) -> Synthesis:
+        """Wait for the whole utterance (blocking; only without a sink)."""
+        pieces, summary = [], None
+        for kind, payload in self.events():
+            if kind == "error":
+                raise payload
+            if kind == "audio":
+                pieces.append(payload)
+            elif kind == "done":
+                summary = payload
+        summary.audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        return summary

@@ -1,0 +1,345 @@
+"""The batching engine's model side: the KV cache in slots and everything else a slot holds
+on the GPU (last frame, history, sampling parameters), memory sizing, the captured graphs,
+prefills and the decode step. It does what the scheduler decided, for the requests it is
+handed; a request's rows follow it when its slot changes (`move`).
+
+The prompt part made of reference voices is the same for every request that uses them:
+its KV cache is computed once and copied into a slot (`PrefixCache`), so admitting a
+request with a packaged voice prefills only its own text."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fish_sm import kernels
+from fish_sm.engine.engine import Engine, request_generator
+from fish_sm.engine.generate import (GraphedStep, HostCopy, admission_shape, admission_shapes, attention_bucket,
+                                     batch_sizes, decode_frame, frame_budget, noise_size, sample_frame, to_device)
+from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
+from fish_sm.contract import SamplingParams
+from fish_sm.engine.sampling import PENALTY_WINDOW, sampling_tensors
+from fish_sm.kernels import exponential_noise, noise_key
+from fish_sm.errors import FishSMError
+from fish_sm.model.dual_ar import cache_rows, copy_cache_rows
+from fish_sm.engine.batching.prefix_cache import PrefixCache
+from fish_sm.engine.batching.scheduler import Move, Queued, Request
+
+logger = logging.getLogger("fish_sm.batching")
+
+# Padded prompt tokens prefilled together: 32 short requests in one prefill, a few long ones.
+PREFILL_TOKENS = 4096
+
+
+class HostFrames:
+    """Sampled frames [rows, 1 + C] on their way to the host (`HostCopy`): a row is read
+    once the copy is there."""
+
+    def __init__(self, frames: Tensor):
+        self._copy = HostCopy(frames)
+
+    def row(self, i: int) -> np.ndarray:
+        return self._copy.get()[i].numpy()
+
+
+class ModelRunner:
+    """The model's work over slots of an `Engine`'s model (which it takes over: the KV cache
+    is re-made with one row per slot)."""
+
+    def __init__(self, engine: Engine, max_batch: int, memory_fraction: float, prefix_cache: int,
+                 codec_bytes: Callable[[], int]):
+        self.engine, self.model = engine, engine.model
+        self.device = engine.device
+        model, c = self.model, engine.config
+        self.rows = 1 + c.num_codebooks
+        self.max_seq_len = model.max_seq_len
+        self.slots = self._fit_slots(max_batch, memory_fraction, prefix_cache, codec_bytes)
+        model.setup_caches(self.slots, self.max_seq_len)
+        engine.drop_compiled()  # the sequential engine's graphs point at the old cache
+        self.batch_sizes = batch_sizes(self.slots)
+        dev = self.device
+        self.current = torch.zeros(self.slots, self.rows, dtype=torch.long, device=dev)  # each slot's last frame
+        self.history = torch.zeros(self.slots, self.rows, self.max_seq_len + PENALTY_WINDOW, dtype=torch.long, device=dev)
+        self.sampling = torch.ones(3, self.slots, 1, device=dev)  # temperature, top_p, penalty per slot
+        self.noise = torch.ones(self.slots, noise_size(model), device=dev)
+        # On CUDA a step's noise is one kernel keyed by each request's seed and frame number
+        # (`kernels.exponential_noise`); on the CPU each request's generator draws it,
+        # as the sequential engine does, so that the two give the same codes.
+        self.keyed_noise = kernels.sampling_usable(dev)
+        self.window_offsets = torch.arange(PENALTY_WINDOW, device=dev)
+        self.prefixes = PrefixCache(prefix_cache)
+        self.captured: GraphedStep | None = None  # the decode steps, first frames and admissions (CUDA, `capture`)
+        self.steps = 0
+
+    def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int,
+                   codec_bytes: Callable[[], int]) -> int:
+        """Admission control: as many sequences as the free GPU memory holds (after room for
+        the prefix cache, the captured graphs and the codec's largest batch, `codec_bytes()`),
+        at most `max_batch`."""
+        if self.device.type != "cuda":
+            return max_batch
+        c, dtype = self.engine.config, self.engine.model.dtype
+        per_token = 2 * c.n_layer * c.n_local_heads * c.head_dim * torch.finfo(dtype).bits // 8
+        per_slot = per_token * self.max_seq_len + self.rows * (self.max_seq_len + PENALTY_WINDOW) * 8
+        codec = codec_bytes()
+        torch.cuda.empty_cache()  # the measurement's blocks, cached, would count as used below and in `codec` too
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = (1 - memory_fraction) * total + prefix_cache * per_token * self.max_seq_len // 4 + (2 << 30) + codec
+        fit = int((free - reserve) // per_slot)
+        if fit < 1:
+            raise FishSMError(f"no room for a single {self.max_seq_len}-token KV cache on {self.device} "
+                              f"({free / 2**30:.1f} GiB free); lower FISH_SM_MAX_SEQ_LEN")
+        slots = min(max_batch, fit)
+        logger.info("batching: %d slots of %d tokens (%.2f GiB each; %d asked for, %d fit) in %.1f GiB free, "
+                    "keeping %.1f GiB for graphs, prefixes and the codec (%.1f GiB)", slots, self.max_seq_len,
+                    per_slot / 2**30, max_batch, fit, free / 2**30, reserve / 2**30, codec / 2**30)
+        return slots
+
+    # -- capture (CUDA) -----------------------------------------------------------------
+
+    def capture(self) -> float:
+        """Capture the decode step for every batch size and attention bucket, and the
+        admissions; returns the seconds from the first capture."""
+        step = GraphedStep(self.model, max_batch=self.slots)
+        t0 = time.perf_counter()
+        step.capture_all(self.batch_sizes)
+        self._compile_admissions()
+        for batch, width in admission_shapes(self.slots, self.max_seq_len, PREFILL_TOKENS):
+            step.capture_admission(batch, width)
+        self.captured = step
+        self._check_admissions()
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def _check_admissions(self) -> None:
+        """Three prompts through a captured admission and through the compiled layers must
+        agree (bf16 tolerance), or captured admissions are turned off, logged, rather than
+        serve wrong frames."""
+        texts = ("One.", "A second, somewhat longer prompt.", "The third.")[: min(3, self.slots)]
+        _, captured, compiled = self.admissions_both_ways(
+            [build_prompt(self.engine.tokenizer, self.engine.config.num_codebooks, [], t) for t in texts])
+        if not torch.allclose(captured, compiled, atol=0.5, rtol=0):
+            logger.warning("batching: captured admissions disagree with the compiled layers (largest logit "
+                           "difference %s); admitting through the compiled layers", (captured - compiled).abs().max().item())
+            self.captured.admissions.clear()
+
+    @torch.inference_mode()
+    def admissions_both_ways(self, prompts: list[Tensor]) -> tuple[list[int], Tensor, Tensor]:
+        """Prompts from position 0 admitted into slots 0.. (before serving), through a
+        captured admission and through the compiled layers: the padded [batch, width] and
+        each way's logits [prompts, vocab] in float32."""
+        inputs = self._admission_inputs([(_Slot(i, p.shape[1]), p, 0) for i, p in enumerate(prompts)])
+        captured, compiled = (self._admission(*inputs, captured=c)[0][: len(prompts)].float().clone() for c in (True, False))
+        return list(inputs[0].shape[::2]), captured, compiled
+
+    @torch.inference_mode()  # as the decode loop runs them
+    def _compile_admissions(self) -> None:
+        """Compile the admissions' prefill (installed by `kernels.install(model, kernels.BATCHING)`) for one prompt and for several,
+        the two cases the compiled code tells apart, before a request waits on it. It writes
+        into slots that are free."""
+        dev, width = self.device, 16
+        for batch in sorted({1, min(2, self.slots)}):
+            tokens = torch.zeros(batch, self.rows, width, dtype=torch.long, device=dev)
+            positions = torch.arange(width, device=dev).expand(batch, width)
+            self._admission(tokens, positions, torch.arange(batch, device=dev),
+                            torch.full((batch,), width - 1, device=dev), width, from_zero=True, captured=False)
+
+    # -- admissions ---------------------------------------------------------------------
+
+    def new_generator(self, seed: int | None) -> torch.Generator:
+        """A request's random stream (raises for a seed it cannot take)."""
+        return request_generator(self.device, seed)
+
+    def set_sampling(self, slot: int, params: SamplingParams) -> None:
+        self.sampling[:, slot] = to_device(torch.stack(sampling_tensors(params, "cpu")).view(3, 1), self.device)
+
+    def prepare_chunk(self, request: Request) -> tuple[Tensor, int, int]:
+        """The prompt of the request's current chunk, how many frames may follow it, and how
+        many of its positions a reused prefix has put into the request's slot. Raises
+        `InputError` (a prompt too long) or CUDA's out-of-memory error: the request's own."""
+        previous = [(text, torch.from_numpy(codes)) for text, codes in request.previous]
+        prompt = chunk_prompt(self.engine.tokenizer, self.engine.config.num_codebooks, self.max_seq_len,
+                              self._references(request), previous, request.chunks[request.chunk])
+        max_new = frame_budget(prompt.shape[1], self.max_seq_len, request.params.max_new_tokens)
+        start = self._reuse_prefix(request, prompt)
+        return prompt, max_new, start
+
+    def _references(self, request: Request) -> list[tuple[str, Tensor]]:
+        return [(r.text, r.codes) for r in request.ticket.job.references]
+
+    def _reuse_prefix(self, request: Request, prompt: Tensor) -> int:
+        """Put the KV cache of the prompt's reference part into the request's slot (from the
+        prefix cache, or computed and kept there); returns how many positions it covers."""
+        references = self._references(request)
+        if not references:
+            return 0
+        model, slot = self.model, request.slot
+        caches = [block.attention.kv_cache for block in model.layers]
+        key = tuple((text, hashlib.sha256(codes.numpy().tobytes()).hexdigest()) for text, codes in references)
+        kv = self.prefixes.get(key)
+        if kv is None:
+            prefix = prompt_prefix(self.engine.tokenizer, self.engine.config.num_codebooks, references)
+            n = prefix.shape[1]
+            model.forward_slow(to_device(prefix, self.device)[None], model.positions[:n], n, row=slot)
+            kv = [t.clone() for t in cache_rows(caches, slot, n)]
+            self.prefixes.put(key, kv)
+        else:
+            torch._foreach_copy_(cache_rows(caches, slot, kv[0].shape[1]), kv)
+        return kv[0].shape[1]
+
+    def prefill(self, ready: list[tuple[Request, Tensor, int]]) -> tuple[list[Queued], list[tuple[Request, Exception]]]:
+        """Prefill each (request, prompt, start)'s prompt from `start` into its slot and sample
+        its first frame: the prompts padded into batches of at most `PREFILL_TOKENS`, each one
+        prefill and one first-frame replay. Returns the first frames, and the requests that
+        ran out of memory on their own, with the error."""
+        queued, failed = [], []
+        ready.sort(key=lambda item: (item[2] > 0, item[1].shape[1] - item[2]))  # from position 0 first, shortest first
+        groups = _prefill_groups(ready, self._admission_shape)
+        while groups:
+            group = groups.pop(0)
+            try:
+                queued += self._prefill_batch(group)
+            except torch.cuda.OutOfMemoryError as exc:
+                torch.cuda.empty_cache()
+                if len(group) > 1:  # again one at a time, each failing on its own
+                    groups[:0] = [[item] for item in group]
+                else:
+                    failed.append((group[0][0], exc))
+        return queued, failed
+
+    def _admission_shape(self, batch: int, width: int) -> tuple[int, int]:
+        """The (batch, width) prompts from position 0 are padded to: a captured admission's on CUDA."""
+        return (batch, width) if self.captured is None else admission_shape(batch, width, self.slots, self.max_seq_len)
+
+    def _admission_inputs(self, group: list[tuple[Request, Tensor, int]]) -> tuple:
+        """Tokens, positions, cache rows and last positions of the prompts' rests (after any
+        reused prefix), each padded at its end with its last token (whose keys land after the
+        prompt, where decoding overwrites them before a query may see them); and the slots
+        in use once they are written. Prompts all from position 0 are padded to
+        `_admission_shape`, spare rows repeating the first prompt (the same values written
+        into its row again)."""
+        rests = [prompt[:, start:] for _, prompt, start in group]
+        starts = [start for _, _, start in group]
+        width = max(rest.shape[1] for rest in rests)
+        batch, width = self._admission_shape(len(group), width) if not any(starts) else (len(group), width)
+        rests += rests[:1] * (batch - len(group))
+        starts += starts[:1] * (batch - len(group))
+        tokens = torch.stack([torch.cat([rest, rest[:, -1:].expand(-1, width - rest.shape[1])], dim=1) for rest in rests])
+        positions = (torch.tensor(starts)[:, None] + torch.arange(width)).clamp(max=self.max_seq_len - 1)
+        rows = torch.tensor([r.slot for r, _, _ in group] + [group[0][0].slot] * (batch - len(group)))
+        last = torch.tensor([rest.shape[1] - 1 for rest in rests])
+        return (*(to_device(t, self.device) for t in (tokens, positions, rows, last)),
+                max(r.length for r, _, _ in group), not any(starts))
+
+    def _admission(self, tokens: Tensor, positions: Tensor, rows: Tensor, last: Tensor, live: int, from_zero: bool,
+                   captured: bool = True):
+        """The slow transformer over padded prompts: a captured admission's replay where
+        there is one (prompts from position 0), else the compiled layers (eagerly on CPU)
+        attending over the `live` slots in use; from position 0, causally over their own."""
+        if captured and from_zero and self.captured is not None and (tokens.shape[0], tokens.shape[-1]) in self.captured.admissions:
+            return self.captured.admit(tokens, positions, rows, last)
+        if from_zero:
+            return self.model.forward_slow(tokens, positions, tokens.shape[-1], row=rows, last=last)
+        return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
+
+    def _prefill_batch(self, group: list[tuple[Request, Tensor, int]]) -> list[Queued]:
+        """One prefill for several prompts (each from its own start position, in its own slot,
+        padded at the end), then their first frames in one replay."""
+        model, dev = self.model, self.device
+        requests = [r for r, _, _ in group]
+        logits, hidden = self._admission(*self._admission_inputs(group))
+        logits, hidden = logits[: len(group)], hidden[: len(group)]
+        rows = to_device(torch.tensor([r.slot for r in requests]), dev)
+        # index_fill_, not `history[rows] = 0`, which waits for the GPU's queued work.
+        self.history.index_fill_(0, rows, 0)
+        temperature, top_p, penalty = self.sampling[:, rows]
+        if self.keyed_noise:
+            keys = to_device(torch.tensor([self._next_noise_key(r) for r in requests]), dev)
+            noise = exponential_noise(keys, torch.empty(len(requests), self.noise.shape[1], device=dev))
+        else:
+            noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
+                                 for r in requests])
+        if self.captured is None:
+            frames = sample_frame(model, logits, hidden, None, noise, temperature, top_p, penalty)
+        else:
+            frames = self.captured.first_frame(logits, hidden, noise, temperature, top_p, penalty).clone()
+        self.current[rows] = frames
+        copy = HostFrames(frames)
+        return [Queued(request, request.chunk, 0, i, copy) for i, request in enumerate(requests)]
+
+    # -- the decode step ----------------------------------------------------------------
+
+    def decode(self, requests: list[Request], occupied: int) -> list[Queued]:
+        """Queue one frame for each of `requests`, in one step over the `occupied` slots 0..n-1."""
+        if not requests:
+            return []
+        batch = next(b for b in self.batch_sizes if b >= occupied)
+        pos, index, keys = [0] * batch, [0] * batch, [0] * batch
+        for r in requests:
+            pos[r.slot] = r.length + r.computed - 1  # where the last frame goes
+            index[r.slot] = r.computed - 1  # which frame of the chunk it is
+            if self.keyed_noise:
+                keys[r.slot] = self._next_noise_key(r)
+            else:
+                self.noise[r.slot].exponential_(1, generator=r.generator)
+        live = max(pos) + 1
+        key_pos = self.model.positions[: attention_bucket(self.max_seq_len, live)]
+        pos_index = to_device(torch.tensor([pos, index, keys]), self.device)
+        input_pos, frame_index = pos_index[0], pos_index[1]
+        if self.keyed_noise:
+            exponential_noise(pos_index[2], self.noise[:batch])
+        start = (frame_index - PENALTY_WINDOW).clamp(min=0)
+        columns = (start[:, None] + self.window_offsets)[:, None, :].expand(batch, self.rows, PENALTY_WINDOW)
+        window = self.history[:batch].gather(2, columns)
+        temperature, top_p, penalty = self.sampling[:, :batch]
+        args = (self.model, self.current[:batch], input_pos, window, self.noise[:batch], temperature, top_p, penalty)
+        out = decode_frame(*args, key_pos=key_pos) if self.captured is None else self.captured(*args, key_pos=key_pos)
+        self.history[:batch].scatter_(2, frame_index.view(batch, 1, 1).expand(batch, self.rows, 1), out[:, :, None])
+        self.current[:batch] = out
+        self.steps += 1
+        copy = HostFrames(out)
+        return [Queued(r, r.chunk, r.computed, r.slot, copy) for r in requests]
+
+    @staticmethod
+    def _next_noise_key(request: Request) -> int:
+        """The key of the request's next frame of noise (counting it drawn)."""
+        request.draws += 1
+        return noise_key(request.generator.initial_seed(), request.draws - 1)
+
+    def move(self, move: Move) -> None:
+        """Copy a request's rows (KV cache, history, last frame, sampling) into its new slot."""
+        src, slot, live = move
+        copy_cache_rows([block.attention.kv_cache for block in self.model.layers], slot, src, live)
+        self.history[slot] = self.history[src]
+        self.current[slot] = self.current[src]
+        self.sampling[:, slot] = self.sampling[:, src]
+
+
+def _prefill_groups(ready: list, padded: Callable[[int, int], tuple[int, int]] = lambda b, w: (b, w)) -> list[list]:
+    """Consecutive runs of (request, prompt, start), shortest rest first, whose size padded
+    by `padded` (batch, width) stays within PREFILL_TOKENS; prompts from position 0 (which
+    captured admissions take) apart from those after a reused prefix."""
+    groups, group = [], []
+    for item in ready:
+        width = item[1].shape[1] - item[2]
+        batch, width = padded(len(group) + 1, width)
+        if group and (batch * width > PREFILL_TOKENS or (item[2] > 0) != (group[0][2] > 0)):
+            groups.append(group)
+            group = []
+        group.append(item)
+    return groups + [group] if group else groups
+
+
+@dataclass
+class _Slot:
+    """What `_admission_inputs` reads of a request: a stand-in for start-up checks."""
+
+    slot: int
+    length: int

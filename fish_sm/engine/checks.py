@@ -1,0 +1,63 @@
+"""Checks of the engine's fast paths against its plain ones: the compiled decode step against
+the eager one (`compare_compiled_to_eager`), and what quantized weights hold (`weight_bytes`).
+The tests run them on the CPU; benchmarks/engine.py runs them on a GPU beside its figures."""
+
+from __future__ import annotations
+
+import torch
+
+from fish_sm.contract import SamplingParams
+from fish_sm.engine.engine import Engine
+from fish_sm.engine.generate import attention_bucket, decode_frame, noise_size
+from fish_sm.engine.sampling import PENALTY_WINDOW, sampling_tensors
+
+# A 20-word sentence, the text the checks (and the benchmark's first audio) prompt with.
+SENTENCE = ("The quick brown fox jumps over the lazy dog while the patient engineer measures "
+            "how fast this voice can start speaking.")
+
+
+def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int = 8) -> dict:
+    """Run the same frames through the eager step (exact attention length) and the compiled
+    one (`engine.step`: bucketed, masked attention; CUDA graphs or torch.compile) from identical
+    states and inputs; report how far the slow head's logits and the sampled codes differ:
+    {"max_abs_logit_diff", "max_abs_logit" (the scale), "code_agreement" (a share)}.
+    Before `engine.compile()` both sides are eager (agreement 1.0)."""
+    model, dev = engine.model, engine.device
+    compiled_slow = model.forward_slow if dev.type == "cuda" else torch.compile(model.forward_slow, fullgraph=True)
+    t, p, r = (x.view(1, 1) for x in sampling_tensors(SamplingParams(seed=0), dev))
+    step = engine.step
+    worst, scale, agree, total = 0.0, 0.0, 0, 0
+    with torch.inference_mode():
+        length = prompt.shape[1]
+        model.forward_slow(prompt.to(dev)[None], torch.arange(length, device=dev), length)
+        frame = torch.zeros(prompt.shape[0], dtype=torch.long, device=dev)
+        frame[0] = model.semantic_begin_id
+        window = torch.zeros(prompt.shape[0], PENALTY_WINDOW, dtype=torch.long, device=dev)
+        g = torch.Generator(dev).manual_seed(0)
+        for i in range(steps):
+            pos = torch.tensor([length + i], device=dev)
+            bucket = model.positions[: attention_bucket(model.max_seq_len, length + i + 1)]
+            eager_logits, _ = model.forward_slow(frame.view(1, -1, 1), pos, length + i + 1)
+            comp_logits, _ = compiled_slow(frame.view(1, -1, 1), pos, 0, bucket)
+            worst = max(worst, (eager_logits.float() - comp_logits.float()).abs().max().item())
+            scale = max(scale, eager_logits.float().abs().max().item())
+            noise = torch.empty(1, noise_size(model), device=dev).exponential_(1, generator=g)
+            a = decode_frame(model, frame[None], pos, window[None], noise, t, p, r, live=length + i + 1)[0]
+            b = step(model, frame[None], pos, window[None], noise, t, p, r, key_pos=bucket)[0].clone() if step else a
+            agree += int((a == b).sum())
+            total += a.numel()
+            frame = a
+    return {"max_abs_logit_diff": worst, "max_abs_logit": scale, "code_agreement": agree / total}
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage of a tensor, looking inside quantized tensor subclasses (data + scales)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a model's parameters hold (INT8: its int8 data and scales)."""
+    return sum(tensor_bytes(p) for p in model.parameters())

@@ -1,0 +1,53 @@
+"""The model server's entry point in our own container: `handle(data, context)`.
+
+The multi-model server calls `handle(None, context)` once when a worker starts (the
+model is loaded then, and a failure stops the worker instead of leaving it half-alive),
+then `handle(batch, context)` per request. It runs sagemaker-inference's `Transformer`
+around our handler module, with errors answered as JSON without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
+from sagemaker_inference.transformer import Transformer
+
+from fish_sm.serving.errors import HTTPError
+from fish_sm.serving.mms import handler
+from fish_sm.serving.mms.errors import handle_error
+from fish_sm.serving.mms.gate import mark_ready
+from fish_sm.serving.request import check_accept
+
+
+class _Handlers(DefaultInferenceHandler):
+    """Our contract functions as the Transformer's defaults, so no user module lookup is needed."""
+
+    default_model_fn = staticmethod(handler.model_fn)
+    default_input_fn = staticmethod(handler.input_fn)
+    default_predict_fn = staticmethod(handler.predict_fn)
+    default_output_fn = staticmethod(handler.output_fn)
+
+
+class JSONErrorTransformer(Transformer):
+    handle_error = staticmethod(handle_error)
+
+
+_transformer = JSONErrorTransformer(default_inference_handler=_Handlers())
+MODEL_DIR_ENV = "FISH_SM_MODEL_DIR"
+
+
+def handle(data, context):
+    if data is None:
+        model_dir = os.environ.get(MODEL_DIR_ENV) or context.system_properties.get("model_dir")
+        _transformer.validate_and_initialize(model_dir=model_dir, context=context)
+        mark_ready()
+        return None
+    # The Transformer hands the handler functions the context it was initialised with, not
+    # this request's; so the Accept header is checked here, before any synthesis.
+    props = context.request_processor[0].get_request_properties()
+    try:
+        check_accept(props.get("Accept") or props.get("accept"))
+    except HTTPError as exc:
+        return handle_error(context, exc, "")
+    return _transformer.transform(data, context)

@@ -1,0 +1,237 @@
+"""What both servers are made of: the model a directory serves, and a request's way through it.
+
+- Start-up: `check_model_dir` (before any server starts), `load_model` (verify the package,
+  load, quantize, open the compile cache, load the packaged voices, each phase timed), and
+  for the sequential engine `start_model` (that, then compile, warm up, save the cache).
+- Requests: `resolve_reference` (a packaged voice, a zero-shot recording from the body or
+  S3, or the default), `synthesize` and `predict` on the sequential engine, and
+  `encode_prediction`, the response body for an Accept header.
+Every problem a client can act on is an `HTTPError`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import soundfile as sf
+
+from fish_sm.contract import TTSRequest
+from fish_sm.engine import Engine, Reference
+from fish_sm.engine.engine import freeze_start_up_objects
+from fish_sm.errors import CheckpointError, FishSMError, InputError
+from fish_sm.package.voices import load_voices
+from fish_sm.serving import audio as audio_out
+from fish_sm.serving.compile_cache import CompileCache
+from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
+from fish_sm.serving.request import JSON, JSONLINES, check_accept, response_format
+from fish_sm.settings import Settings
+
+logger = logging.getLogger("fish_sm.serving")
+
+WARMUP_TEXT = "Warming up the speech engine so that the first request is fast."
+REQUIRED = ("config.json", "tokenizer.tiktoken", "special_tokens.json")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_dir: Path
+    port: int = 8080
+    host: str = "127.0.0.1"
+    workers: int | None = None  # default: one per GPU, or one on the CPU
+    response_timeout: int = 900  # seconds for one request: long texts on a busy worker
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """A package directory (every file verified against its manifest.json, and against
+    FISH_SM_MANIFEST_SHA256 when set) or a plain checkpoint directory: the checkpoint files at the top."""
+    from fish_sm.package.verify import verify_package
+
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    missing = [f for f in REQUIRED if not (model_dir / f).is_file()]
+    for stem in ("model", "codec"):
+        if not any((model_dir / (stem + s)).is_file() for s in (".pth", ".safetensors")):
+            missing.append(stem + ".pth")
+    if missing:
+        raise CheckpointError(f"{model_dir}: not a checkpoint or package directory (missing {', '.join(missing)})")
+    # Verified here, before Java or any engine starts; load_model's own check in this process then finds it verified.
+    verify_package(model_dir, Settings.from_env().manifest_sha256)
+
+
+@dataclass
+class ServingModel:
+    """A loaded model: the engine and everything a request may refer to."""
+
+    engine: Engine
+    settings: Settings
+    voices: dict[str, Reference]
+    model_dir: Path
+    timings: dict[str, float] = field(default_factory=dict)
+    compiled: bool = False  # compile (and keep a compile cache) on this device
+
+
+@dataclass
+class Prediction:
+    results: list  # engine Synthesis objects, one per request
+    requests: list[TTSRequest]
+    jsonlines: bool
+
+
+def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn"):
+    """The part of start-up both servers share: verify the package, load, quantize, open the
+    compile cache, load the packaged voices. Returns the model, the cache (to save once compiled) and
+    the timer that records each phase in `model.timings`."""
+    logging.getLogger("fish_sm").setLevel(settings.log_level)
+    timings: dict[str, float] = {}
+
+    def phase(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        timings[name] = time.perf_counter() - t0
+        logger.info("%s %s: %.2f s", label, name, timings[name])
+        return out
+
+    from fish_sm.package.verify import verify_package
+
+    # Before anything in the directory is read: a tampered package stops here, naming the file.
+    verified = phase("verify", lambda: verify_package(model_dir, settings.manifest_sha256))
+    if not verified:
+        logger.info("%s has no manifest.json: a plain checkpoint directory, served unverified", model_dir)
+    cache = CompileCache(model_dir / "compile_cache", Path(settings.cache_dir) / device.replace(":", ""),
+                         verified=verified)
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(settings.dtype, "auto")
+    engine = phase("load", lambda: Engine.from_pretrained(model_dir, device=device, dtype=dtype,
+                                                          max_seq_len=settings.max_seq_len or None))
+    device_type = engine.device.type
+    if settings.use_quantize(device_type, batching):
+        phase("quantize", engine.quantize_int8)
+    compiled = settings.use_compile(device_type)
+    if compiled:
+        phase("cache", lambda: cache.activate(engine.device))
+    voices = phase("voices", lambda: load_voices(model_dir / "voices", engine.config.num_codebooks))
+    if settings.default_voice and settings.default_voice not in voices:
+        raise FishSMError(f"FISH_SM_DEFAULT_VOICE={settings.default_voice!r} is not a packaged voice "
+                          f"(packaged: {', '.join(sorted(voices)) or 'none'})")
+    return ServingModel(engine, settings, voices, model_dir, timings, compiled), cache, phase
+
+
+def start_model(model_dir: Path, device: str, settings: Settings) -> ServingModel:
+    """The sequential engine's whole start: load, compile, warm up, save the compile cache."""
+    model, cache, phase = load_model(model_dir, device, settings)
+    if model.compiled:
+        phase("compile", model.engine.compile)
+    if settings.warmup:
+        phase("warmup", lambda: _warm_up(model))
+    if model.compiled:
+        phase("cache_save", cache.save)
+    logger.info("model_fn ready on %s in %.2f s (%s)", model.engine.device, sum(model.timings.values()),
+                ", ".join(f"{k} {v:.2f} s" for k, v in model.timings.items()))
+    freeze_start_up_objects()
+    return model
+
+
+def _warm_up(model: ServingModel) -> None:
+    """Real syntheses along every path a request takes (prefill, decode, codec), each length bucket once."""
+    voice = model.voices.get(model.settings.default_voice) or next(iter(model.voices.values()), None)
+    for i in range(model.settings.warmup):
+        model.engine.synthesize(WARMUP_TEXT, reference=voice, seed=i, max_new_tokens=32 * (i + 1))
+
+
+def predict(model: ServingModel, requests: list[TTSRequest], jsonlines: bool) -> Prediction:
+    """Synthesize every request; in JSON Lines, a line without audio answers with its own error."""
+    results = []
+    for request in requests:
+        try:
+            results.append(synthesize(model, request))
+        except NoAudio as exc:
+            if not jsonlines:
+                raise
+            results.append(exc)
+    return Prediction(results, requests, jsonlines)
+
+
+def synthesize(model: ServingModel, request: TTSRequest):
+    """One request on the sequential engine: its Synthesis, or the HTTPError to answer with."""
+    import torch
+
+    reference = resolve_reference(model, request)
+    try:
+        result = model.engine.synthesize(request.text, reference=reference, chunk_length=request.chunk_length,
+                                         temperature=request.sampling.temperature, top_p=request.sampling.top_p,
+                                         repetition_penalty=request.sampling.repetition_penalty,
+                                         max_new_tokens=request.sampling.max_new_tokens, seed=request.sampling.seed)
+    except (InputError, torch.cuda.OutOfMemoryError) as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()  # free what this request held, so the next one runs; fail only this one
+        raise engine_error(exc) from None
+    if not len(result.audio):
+        raise NoAudio()
+    return result
+
+
+def resolve_reference(model: ServingModel, request: TTSRequest) -> Reference | None:
+    """The request's voice: a packaged one, a zero-shot recording (encoded, cached), or the default."""
+    if request.voice is not None:
+        if request.voice not in model.voices:
+            known = ", ".join(sorted(model.voices)) or "none"
+            raise bad_request(f"unknown voice {request.voice!r}; packaged voices: {known}")
+        return model.voices[request.voice]
+    if request.reference is None:
+        return model.voices.get(model.settings.default_voice)
+    ref = request.reference
+    audio = ref.audio if ref.audio is not None else _fetch_s3(ref.s3_bucket, ref.s3_key, model.settings)
+    if len(audio) > model.settings.max_reference_bytes:
+        raise HTTPError(413, f"reference audio is {len(audio)} bytes; the limit is {model.settings.max_reference_bytes}")
+    try:
+        info = sf.info(io.BytesIO(audio))
+    except Exception:
+        raise HTTPError(422, "the reference audio cannot be decoded (send WAV, FLAC or Ogg)") from None
+    if info.duration > model.settings.max_reference_seconds:
+        raise HTTPError(413, f"reference audio is {info.duration:.1f} s; the limit is {model.settings.max_reference_seconds:g} s")
+    try:
+        return model.engine.encode_reference(audio, ref.text)
+    except InputError as exc:
+        raise HTTPError(422, f"reference audio: {exc}") from None
+
+
+def _fetch_s3(bucket: str, key: str, settings: Settings) -> bytes:
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        obj = boto3.client("s3").get_object(Bucket=bucket, Key=key)
+        if obj.get("ContentLength", 0) > settings.max_reference_bytes:
+            raise HTTPError(413, f"s3://{bucket}/{key} is over the {settings.max_reference_bytes} byte limit")
+        return obj["Body"].read()
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        status = 403 if code in ("AccessDenied", "403") else 400
+        raise HTTPError(status, f"cannot read s3://{bucket}/{key}: {code or exc}") from None
+    except BotoCoreError as exc:
+        raise HTTPError(400, f"cannot read s3://{bucket}/{key}: {exc}") from None
+
+
+def encode_prediction(prediction: Prediction, accept) -> tuple[bytes, str]:
+    """(body, media type) for the Accept header; JSON Lines in, JSON Lines out."""
+    if prediction.jsonlines:
+        check_accept(accept, jsonlines=True)
+        lines = [_json(request, result, request.format or "wav") for request, result in zip(prediction.requests, prediction.results)]
+        return b"\n".join(lines) + b"\n", JSONLINES
+    request, result = prediction.requests[0], prediction.results[0]
+    kind, fmt = response_format(accept, request)
+    if kind == JSON:
+        return _json(request, result, fmt), kind
+    if kind == JSONLINES:
+        return _json(request, result, fmt) + b"\n", kind
+    return audio_out.encode_audio(result.audio, result.sample_rate, fmt, request.sample_rate)[0], kind
+
+
+def _json(request: TTSRequest, result, fmt: str) -> bytes:
+    if isinstance(result, HTTPError):  # a JSON Lines line that failed on its own
+        return audio_out.json_bytes({"error": result.message, "status": result.status})
+    body, rate = audio_out.encode_audio(result.audio, result.sample_rate, fmt, request.sample_rate)
+    return audio_out.json_bytes(audio_out.json_document(body, fmt, rate, result))

@@ -1,0 +1,47 @@
+"""The decode-attention kernel against SDPA with the mask the decode step builds (GPU only:
+the kernel is Triton's, and CPU builds of torch have no Triton)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fish_sm.kernels import decode_attention
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and decode_attention.triton is not None),
+                               reason="needs CUDA and Triton")
+
+
+def sdpa(q, k, v, input_pos):
+    """What `Attention.over` computes for a decode step with forward_slow's mask."""
+    bsz, live = q.shape[0], k.shape[2]
+    pos = input_pos.reshape(-1).expand(bsz) if input_pos.numel() == 1 else input_pos.reshape(-1)
+    visible = torch.arange(live, device=q.device)[None, :] <= pos[:, None]
+    y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible[:, None, None], enable_gqa=True)
+    return y.transpose(1, 2).reshape(bsz, 1, -1)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bsz, heads, kv_heads, head_dim, live, slots", [
+    (1, 16, 8, 128, 1280, 8192),  # S1-mini's slow layers, one row, a bucket of an 8,192-slot cache
+    (1, 16, 8, 128, 256, 2048),
+    (32, 16, 8, 128, 512, 2048),  # the batching engine
+    (1, 16, 8, 64, 7, 10),  # the fast layers' shapes
+    (3, 4, 4, 32, 100, 128),  # no GQA, a small head
+])
+def test_decode_attention_matches_sdpa(bsz, heads, kv_heads, head_dim, live, slots):
+    g = torch.Generator("cuda").manual_seed(live)
+    cache = [torch.randn(bsz + 2, kv_heads, slots, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+             for _ in range(2)]
+    k, v = (c[:bsz, :, :live] for c in cache)  # views of a cache, as KVCache.read gives them
+    q = torch.randn(bsz, 1, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    assert decode_attention.usable(q, k, v)
+    for input_pos in (torch.tensor([live - 1], device="cuda"),  # one row, or rows sharing a position
+                      torch.randint(0, live, (bsz, 1), device="cuda", generator=g)):  # each row its own
+        got = decode_attention.decode_attention(q, k, v, input_pos)
+        want = sdpa(q, k, v, input_pos)
+        assert got.shape == (bsz, 1, heads * head_dim) and got.dtype == torch.bfloat16
+        assert (got.float() - want).abs().max().item() < 2e-2
+
+
+def test_decode_attention_is_not_used_without_triton_on_cuda():
+    q = torch.zeros(1, 16, 1, 128, dtype=torch.bfloat16)
+    assert not decode_attention.usable(q, q, q)  # CPU: SDPA computes the same sum
