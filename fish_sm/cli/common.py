@@ -62,6 +62,41 @@ def _boto_message(exc: BaseException) -> str | None:
 
 
 
+def aws_options(fn):
+    """--region, --profile, --endpoint-url: every AWS command takes them."""
+    fn = click.option("--endpoint-url", metavar="URL",
+                      help="Send every AWS call to this URL (a moto or LocalStack server, a proxy).")(fn)
+    fn = click.option("--profile", help="AWS profile from ~/.aws/config.")(fn)
+    fn = click.option("--region", help="AWS region (default: the profile's or AWS_REGION).")(fn)
+    return fn
+
+
+def make_aws(region, profile, endpoint_url, **kwargs):
+    from fish_sm.aws.session import AWS
+
+    return AWS(region=region, profile=profile, endpoint_url=endpoint_url, **kwargs)
+
+
+def output_format_option(fn):
+    """--output text|json: what a command prints on stdout; json is one object for scripts."""
+    return click.option("--output", "output_format", type=click.Choice(["text", "json"]), default="text",
+                        show_default=True, help="text for people, json (one object on stdout) for scripts.")(fn)
+
+
+def one_target(*choices: tuple[str, object]) -> None:
+    """Exactly one of the (label, value) pairs must be given."""
+    if sum(1 for _, v in choices if v) != 1:
+        raise click.UsageError(f"give exactly one of {', '.join(label for label, _ in choices)}")
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fish-sm")
 def main():

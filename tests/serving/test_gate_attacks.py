@@ -12,7 +12,9 @@ import http.client
 import io
 import json
 import os
+import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from aiohttp import ClientSession, web
 from server_helpers import QUICK_ENV, Server, free_port, request, serve_cmd
 
 from fish_sm.serving.mms.gate import Front, error_message, make_app
+from fish_sm.serving.mms.launcher import socket_root
 from fish_sm.serving.http import Limits, listening
 
 TIMEOUT_S = 2.0  # the gate's header and body timeouts in this module
@@ -31,23 +34,27 @@ VALID = {"text": "Still fine.", "max_new_tokens": 2, "seed": 0}  # (some seeds e
 
 
 def start_server(package_dir: Path, tmp: Path) -> Server:
-    """`fish-sm serve --server mms` whose temporary directories all go under tmp/temp."""
-    (tmp / "temp").mkdir()
+    """`fish-sm serve --server mms` whose temporary directories all go under a fresh directory in
+    /tmp (short enough for unix sockets wherever pytest's tmp_path is; the caller removes it)."""
+    temp = Path(tempfile.mkdtemp(prefix="gate-", dir="/tmp"))
     port = free_port()
-    env = {**QUICK_ENV, "FISH_SM_CACHE_DIR": str(tmp / "cache"), "TMPDIR": str(tmp / "temp"),
+    env = {**QUICK_ENV, "FISH_SM_CACHE_DIR": str(tmp / "cache"), "TMPDIR": str(temp),
            "FISH_SM_HEADER_TIMEOUT": str(TIMEOUT_S), "FISH_SM_BODY_TIMEOUT": str(TIMEOUT_S),
            "MMS_MAX_REQUEST_SIZE": str(MMS_REQUEST_LIMIT)}
     s = Server(serve_cmd(package_dir, port), port, env, tmp / "server.log")
-    s.port, s.temp = port, tmp / "temp"
+    s.port, s.temp = port, temp
     return s
 
 
 @pytest.fixture(scope="module")
 def server(package_dir, tmp_path_factory):
     s = start_server(package_dir, tmp_path_factory.mktemp("gate"))
-    s.wait_ready()
-    yield s
-    s.stop()
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+        shutil.rmtree(s.temp, ignore_errors=True)
 
 
 def private_dir(server: Server) -> Path:
@@ -370,8 +377,20 @@ def test_two_servers_keep_their_sockets_apart_and_leave_nothing(server, package_
     finally:
         second.stop()
         server.stop()
-    for s, home in zip((server, second), homes):
-        assert s.proc.returncode == 0  # SIGTERM is a clean stop
-        assert not model_server_pids(home)
-        assert not any(s.temp.iterdir()), list(s.temp.rglob("*"))
-    assert mms_files_in_tmp() <= before
+    try:
+        for s, home in zip((server, second), homes):
+            assert s.proc.returncode == 0  # SIGTERM is a clean stop
+            assert not model_server_pids(home)
+            assert not any(s.temp.iterdir()), list(s.temp.rglob("*"))
+        assert mms_files_in_tmp() <= before
+    finally:
+        shutil.rmtree(second.temp, ignore_errors=True)
+
+
+def test_a_temp_directory_too_long_for_a_socket_falls_back_to_tmp(monkeypatch, tmp_path):
+    long_root = tmp_path / ("d" * 80)
+    long_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_root))
+    assert socket_root() == "/tmp"
+    monkeypatch.setattr(tempfile, "tempdir", "/var/tmp")
+    assert socket_root() == "/var/tmp"

@@ -79,6 +79,18 @@ def mms_properties(cfg: ServerConfig, workers: int, port: int, management_socket
     return defaults.rstrip("\n") + "\n" + "".join(f"{k}={v}\n" for k, v in ours.items())
 
 
+# sun_path holds 108 bytes; the longest name in the private directory is "/management.sock"
+# and mkdtemp's "/fish-sm-serve-XXXXXXXX" comes before it.
+UNIX_PATH_MAX = 107
+PRIVATE_DIR_SUFFIX = len("/fish-sm-serve-XXXXXXXX/management.sock")
+
+
+def socket_root() -> str:
+    """The temp directory, or /tmp where the temp directory's path is too long for a unix socket."""
+    root = tempfile.gettempdir()
+    return root if len(root) + PRIVATE_DIR_SUFFIX <= UNIX_PATH_MAX else "/tmp"
+
+
 def server_env(ready_dir: Path, model_dir: Path, tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     # MMS keeps its pid file in Python's temp directory and its worker sockets in Java's,
@@ -106,7 +118,7 @@ def serve(cfg: ServerConfig) -> int:
     log_config = resources.files("sagemaker_inference").joinpath("etc/log4j2.xml")
     with StopSignals() as stop:
         workers = cfg.workers or max(1, gpu_count())
-        with tempfile.TemporaryDirectory(prefix="fish-sm-serve-") as tmp_name:
+        with tempfile.TemporaryDirectory(prefix="fish-sm-serve-", dir=socket_root()) as tmp_name:
             if stop.received:
                 return 0
             tmp = Path(tmp_name)

@@ -1,0 +1,93 @@
+"""`fish-sm deploy`: create an endpoint, or update it blue/green with rollback."""
+
+from __future__ import annotations
+
+import click
+
+from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws
+
+
+@main.command()
+@click.argument("name")
+@click.option("--model-data", required=True, metavar="s3://...", help="The model.tar.gz made by `fish-sm package`.")
+@click.option("--role", required=True, metavar="ARN", help="IAM role SageMaker runs the model with.")
+@click.option("--image", metavar="URI", help="Container image: fish-sm's own (see deploy/), or any.")
+@click.option("--stock-container", is_flag=True,
+              help="Run on AWS's PyTorch inference image with code/inference.py (image from the sagemaker SDK "
+                   "unless --image).")
+@click.option("--instance-type", default="ml.g5.xlarge", show_default=True)
+@click.option("--instances", type=int, default=1, show_default=True, help="Instances to start with.")
+@click.option("--min", "min_instances", type=int, help="Autoscaling minimum (default: --instances).")
+@click.option("--max", "max_instances", type=int, help="Autoscaling maximum; turns autoscaling on.")
+@click.option("--target", type=float,
+              help="Target value of the scaling metric per instance. Default for concurrency: on fish-sm's image "
+                   "(the batching server) half of its batch slots, FISH_SM_MAX_BATCH (64 unless --env) x the "
+                   "instance's GPUs, e.g. 128 on ml.g5.12xlarge; with --stock-container or --env FISH_SM_SERVER=mms, "
+                   "2. Invocations: 60 a minute for every server (it depends on text length: measure req/s with "
+                   "`fish-sm bench` and pass --target). Async backlog: 2.")
+@click.option("--metric", type=click.Choice(["concurrency", "invocations"]), default="concurrency", show_default=True,
+              help="Real-time scaling metric: concurrent requests (high resolution; follows the server's slots) or "
+                   "invocations a minute.")
+@click.option("--async", "is_async", is_flag=True, help="Asynchronous inference: requests and results in S3.")
+@click.option("--output", "async_output", metavar="s3://...", help="Async: where results go.")
+@click.option("--failure", "async_failure", metavar="s3://...", help="Async: where errors go (default: OUTPUT-failures/).")
+@click.option("--sns-success", metavar="ARN", help="Async: SNS topic told of each result.")
+@click.option("--sns-error", metavar="ARN", help="Async: SNS topic told of each failure.")
+@click.option("--max-concurrent", type=int, help="Async: requests one instance works on at once.")
+@click.option("--scale-to-zero", is_flag=True, help="Async: scale to 0 instances when idle, back up on a backlog.")
+@click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE",
+              help="Container environment, e.g. FISH_SM_COMPILE=1. Repeatable.")
+@click.option("--startup-timeout", type=int, default=1800, show_default=True,
+              help="Seconds the container may take to pass its first /ping (warm-up).")
+@click.option("--download-timeout", type=int, default=1800, show_default=True,
+              help="Seconds for downloading model.tar.gz.")
+@click.option("--bake", type=int, default=300, show_default=True,
+              help="Updates: seconds the new fleet serves before the old one goes (rollback window).")
+@click.option("--rollback-errors", type=int, default=1, show_default=True,
+              help="Updates: 5XX errors in a minute that trigger the rollback.")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until InService (needed for autoscaling).")
+@click.option("--poll", type=float, default=15.0, show_default=True, help="Seconds between status checks.")
+@aws_options
+@friendly_errors
+def deploy(name, model_data, role, image, stock_container, instance_type, instances, min_instances, max_instances,
+           target, metric, is_async, async_output, async_failure, sns_success, sns_error, max_concurrent,
+           scale_to_zero, env_pairs, startup_timeout, download_timeout, bake, rollback_errors, wait, poll,
+           region, profile, endpoint_url):
+    """Create endpoint NAME, or update it blue/green with automatic rollback.
+
+    Autoscaling options give the wanted state: a deploy without --max (or --scale-to-zero)
+    removes autoscaling the endpoint had.
+    """
+    from fish_sm.aws.autoscaling import make_autoscaling
+    from fish_sm.aws.container import parse_env
+    from fish_sm.aws.deploy import deploy as deploy_endpoint
+    from fish_sm.aws.deploy_request import DeployRequest, make_async
+    from fish_sm.aws.s3 import parse_s3_uri
+
+    async_only = {"--output": async_output, "--failure": async_failure, "--sns-success": sns_success,
+                  "--sns-error": sns_error, "--max-concurrent": max_concurrent, "--scale-to-zero": scale_to_zero or None}
+    if not is_async:
+        given = [flag for flag, v in async_only.items() if v is not None]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} only apply with --async")
+        async_options = None
+    else:
+        if not async_output:
+            raise click.UsageError("--async needs --output s3://bucket/prefix/")
+        async_options = make_async(parse_s3_uri(async_output, what="--output", prefix=True),
+                                   parse_s3_uri(async_failure, what="--failure", prefix=True) if async_failure else None,
+                                   sns_success, sns_error, max_concurrent)
+    env = parse_env(env_pairs)
+    request = DeployRequest(
+        name=name, model_data=parse_s3_uri(model_data, what="--model-data", prefix=False), role=role,
+        instance_type=instance_type, image=image, stock_container=stock_container, instances=instances, env=env,
+        autoscaling=make_autoscaling(instances=instances, min_instances=min_instances, max_instances=max_instances,
+                                     target=target, metric=metric, is_async=is_async, scale_to_zero=scale_to_zero,
+                                     instance_type=instance_type, env=env, stock_container=stock_container),
+        async_options=async_options, startup_timeout=startup_timeout, download_timeout=download_timeout,
+        bake_seconds=bake, rollback_errors=rollback_errors)
+    result = deploy_endpoint(make_aws(region, profile, endpoint_url), request, wait=wait, poll_s=poll, log=click.echo)
+    if result.endpoint is not None:
+        click.echo(f"endpoint {name} {result.action} and InService on {result.config_name}")
+    else:
+        click.echo(f"endpoint {name} is being {result.action}; follow it with `fish-sm status {name}`")
