@@ -8,16 +8,21 @@ CHECKPOINT := checkpoints/tiny
 STOCK := .venv-stock
 STOCK_PIP := $(STOCK)/bin/python -m pip --disable-pip-version-check -q
 
+# --no-compile on every install: byte-compiling every installed module (torch's alone take half
+# a minute) is left to the first import, which compiles only what is used.
+# The two environments build side by side (each pip is one process; CI has two cores).
+MAKEFLAGS += --jobs=2
+
 .PHONY: run test install clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install 'setuptools<82' wheel
+	$(PIP) install --no-compile 'setuptools<82' wheel
 	# The CPU build of torch 2.13 (a bare `torch` would pull several GB of CUDA wheels).
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test]'
+	$(PIP) install --no-compile torch==2.13.0
+	$(PIP) install --no-compile -e '.[test]'
 	# Upstream, for the parity tests only: no dependencies, see tests/parity/standins.
-	$(PIP) install --no-deps fish-speech==0.1.0 descript-audio-codec==1.0.0
+	$(PIP) install --no-compile --no-deps fish-speech==0.1.0 descript-audio-codec==1.0.0
 	touch $@
 
 install: $(VENV)/.installed
@@ -32,9 +37,9 @@ run: $(VENV)/.installed $(CHECKPOINT)/config.json
 # It ships its own copy of sagemaker_inference, so it cannot share .venv.
 $(STOCK)/.installed: code/requirements.txt
 	test -x $(STOCK)/bin/python || $(PYTHON) -m venv $(STOCK)
-	$(STOCK_PIP) install 'setuptools<81' wheel pyyaml
-	$(STOCK_PIP) install torch==2.13.0
-	$(STOCK_PIP) install torchserve==0.12.0 sagemaker-pytorch-inference==2.0.25 'setuptools<81' -r code/requirements.txt
+	$(STOCK_PIP) install --no-compile 'setuptools<81' wheel pyyaml
+	$(STOCK_PIP) install --no-compile torch==2.13.0
+	$(STOCK_PIP) install --no-compile torchserve==0.12.0 sagemaker-pytorch-inference==2.0.25 'setuptools<81' -r code/requirements.txt
 	touch $@
 
 test: $(VENV)/.installed $(STOCK)/.installed

@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 
 # Fixtures that start a server on loopback (a `fish-sm serve`, the model server, moto).
-SERVER_FIXTURES = {"server", "one_slot", "silent_server", "tiny_url", "moto_server"}
+SERVER_FIXTURES = {"server", "one_slot", "silent_server", "tiny_url", "moto_url", "runtime_url"}
 
 
 def pytest_collection_modifyitems(items):

@@ -77,3 +77,42 @@ def test_stream_and_pcm_are_offered():
         assert result.exit_code == 0 and "--stream" in result.output and "pcm" in result.output
     result = CliRunner().invoke(main, ["deploy", "--help"])
     assert "half of its batch slots" in " ".join(result.output.split())
+
+
+def test_synthesize_checks_its_output_and_device_before_any_work(tmp_path, tiny_checkpoint):
+    """Each in one line, before the checkpoint is loaded: nothing is written."""
+    import torch
+
+    runner = CliRunner()
+    base = ["synthesize", str(tiny_checkpoint), "Hello.", "--max-new-tokens", "2"]
+    result = runner.invoke(main, [*base, "-o", str(tmp_path / "speech.xyz")])
+    assert result.exit_code == 1 and result.output.splitlines() == [
+        f"Error: --output {tmp_path / 'speech.xyz'}: the extension names the audio format; "
+        "use one of .wav, .flac, .ogg, .mp3, .pcm"]
+    version = torch.__version__.split("+")[0]
+    if torch.version.cuda is None:
+        device, message = "cuda", f"CUDA is not available on this machine (torch {version} CPU build)"
+    elif not torch.cuda.is_available():
+        device, message = "cuda:0", "CUDA is not available on this machine"
+    else:
+        device, message = "cuda:99", f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    result = runner.invoke(main, [*base, "-o", str(tmp_path / "a.wav"), "--device", device])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    line, = result.output.splitlines()
+    assert line.startswith("Error: ") and message in line
+    for option, value, choices in (("--device", "gpu0", "choose auto, cpu, cuda or cuda:N"),
+                                   ("--dtype", "half", "'auto', 'bf16', 'fp16', 'fp32'")):
+        result = runner.invoke(main, [*base, "-o", str(tmp_path / "a.wav"), option, value])
+        assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output and choices in result.output
+    assert not any(tmp_path.iterdir())
+    help_text = runner.invoke(main, ["synthesize", "--help"]).output
+    assert "[auto|bf16|fp16|fp32]" in help_text and "cuda:N" in help_text and ".mp3" in help_text
+
+
+def test_synthesize_writes_raw_pcm_for_a_pcm_extension(tmp_path, tiny_checkpoint):
+    """The formats a server answers with (wav and flac are written above)."""
+    out = tmp_path / "speech.pcm"
+    result = CliRunner().invoke(main, ["synthesize", str(tiny_checkpoint), "Hello.", "-o", str(out),
+                                       "--max-new-tokens", "2", "--seed", "1", "--device", "cpu", "--dtype", "fp32"])
+    assert result.exit_code == 0, result.output
+    assert out.stat().st_size == 2 * 2048 * 2  # 2 frames of 16-bit samples

@@ -3,8 +3,10 @@
 Nothing here imports torch (or the engine/serving packages), so these commands start fast
 on a laptop with no GPU. boto3 is imported inside the functions that talk to AWS, and
 nothing here prints: progress and notes go to the callbacks the caller passes.
-Layers depend downward: session -> s3 -> package; naming -> container, alarms, endpoints
--> autoscaling -> deploy_request -> deploy; status, delete and transform beside deploy.
+Layers depend downward: session -> s3 -> package; session -> instances, images (what EC2
+and ECR say about --instance-type and --image); naming -> container, alarms, endpoints ->
+autoscaling -> deploy_request -> deploy; status, delete, fleet (list, scale), logs and
+transform beside deploy.
 """
 
 from typing import Callable

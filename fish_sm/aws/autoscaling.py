@@ -3,10 +3,11 @@ policies, scalable target and wake alarm that make it so (or are removed)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fish_sm.aws.alarms import delete_alarms, list_alarms
-from fish_sm.aws.container import gpu_count, max_batch, server_kind
+from fish_sm.aws.container import max_batch, server_kind
 from fish_sm.aws.naming import resource_id, wake_alarm_name
 from fish_sm.aws.session import AWS
 from fish_sm.errors import InputError
@@ -22,7 +23,7 @@ class Autoscaling:
 
     min: int
     max: int
-    target: float
+    target: float | None  # None: the default for the server and instance type, set by with_target
     metric: str  # concurrency | invocations | backlog
     reason: str = ""  # why this target: --target, or how the default was worked out
 
@@ -44,23 +45,24 @@ METRIC_UNITS = {"concurrency": "concurrent requests per instance", "invocations"
 BATCH_TARGET_SHARE = 0.5
 
 
-def default_target(metric: str, *, instance_type: str, env: dict[str, str] | None = None,
+def default_target(metric: str, *, gpus: int, env: dict[str, str] | None = None,
                    stock_container: bool = False) -> tuple[float, str]:
     """The target value when --target is not given, and a short reason to print.
 
-    Concurrency on our image: half of the batch slots (FISH_SM_MAX_BATCH x GPUs). On the
-    multi-model server, and for invocations a minute (which depend on how long the texts
-    are, so slots say little about them) or async backlog: the fixed DEFAULT_TARGETS.
+    Concurrency on our image: half of the batch slots (FISH_SM_MAX_BATCH x GPUs; a CPU
+    instance runs one engine). On the multi-model server, and for invocations a minute
+    (which depend on how long the texts are, so slots say little about them) or async
+    backlog: the fixed DEFAULT_TARGETS.
     """
     env = env or {}
     server = server_kind(env, stock_container=stock_container)
     if metric == "concurrency" and server == "batching":
         batch = max_batch(env)
-        gpus, known = gpu_count(instance_type)
-        value = batch * gpus * BATCH_TARGET_SHARE
-        return value, (f"{BATCH_TARGET_SHARE:.0%} of the batching server's {batch * gpus} slots: "
-                       f"{gpus} GPU{'s' if gpus > 1 else ''} x FISH_SM_MAX_BATCH {batch}"
-                       + ("" if known else f"; {instance_type} is not in fish-sm's GPU table, counted as 1 GPU"))
+        engines = max(gpus, 1)
+        value = batch * engines * BATCH_TARGET_SHARE
+        where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "1 CPU engine"
+        return value, (f"{BATCH_TARGET_SHARE:.0%} of the batching server's {batch * engines} slots: "
+                       f"{where} x FISH_SM_MAX_BATCH {batch}")
     if metric == "concurrency":
         why = ("the multi-model server (--stock-container, FISH_SM_SERVER=mms) answers one request at a time "
                "per GPU worker")
@@ -73,12 +75,10 @@ def default_target(metric: str, *, instance_type: str, env: dict[str, str] | Non
 
 
 def make_autoscaling(*, instances: int, min_instances: int | None, max_instances: int | None,
-                     target: float | None, metric: str, is_async: bool, scale_to_zero: bool,
-                     instance_type: str, env: dict[str, str] | None = None,
-                     stock_container: bool = False) -> Autoscaling | None:
+                     target: float | None, metric: str, is_async: bool, scale_to_zero: bool) -> Autoscaling | None:
     """Check the autoscaling options together; None when none were asked for.
 
-    instance_type, env and stock_container pick the default target (see default_target).
+    Without --target the target stays None until the instance type's GPUs are known (with_target).
     """
     if max_instances is None:
         if scale_to_zero:
@@ -103,12 +103,19 @@ def make_autoscaling(*, instances: int, min_instances: int | None, max_instances
     elif metric == "backlog":
         raise InputError("the backlog metric is for --async endpoints")
     if target is None:
-        value, reason = default_target(metric, instance_type=instance_type, env=env, stock_container=stock_container)
-    else:
-        value, reason = float(target), "given with --target"
-    if value <= 0:
+        return Autoscaling(lo, max_instances, None, metric)
+    if target <= 0:
         raise InputError(f"--target must be positive, got {target}")
-    return Autoscaling(lo, max_instances, value, metric, reason)
+    return Autoscaling(lo, max_instances, float(target), metric, "given with --target")
+
+
+def with_target(scaling: Autoscaling | None, *, gpus: int, env: dict[str, str] | None = None,
+                stock_container: bool = False) -> Autoscaling | None:
+    """`scaling` with its default target filled in (see default_target) when --target was not given."""
+    if scaling is None or scaling.target is not None:
+        return scaling
+    value, reason = default_target(scaling.metric, gpus=gpus, env=env, stock_container=stock_container)
+    return dataclasses.replace(scaling, target=value, reason=reason)
 
 
 def scalable_target(aws: AWS, name: str) -> dict | None:
@@ -161,13 +168,16 @@ def wake_alarm_request(name: str, policy_arn: str) -> dict:
     )
 
 
-def apply_autoscaling(aws: AWS, name: str, scaling: Autoscaling | None) -> list[str]:
-    """Make the endpoint's scaling what was asked for (None: none), removing our stale policies."""
+def apply_autoscaling(aws: AWS, name: str, scaling: Autoscaling | None, tags: list[dict] | None = None) -> list[str]:
+    """Make the endpoint's scaling what was asked for (None: none), removing our stale policies.
+    `tags` go on the scalable target and the wake alarm (policies take none)."""
     if scaling is None:
         return remove_autoscaling(aws, name)
     aa, done = aws.autoscaling, []
+    tagged = {"Tags": {t["Key"]: t["Value"] for t in tags}} if tags else {}
     aa.register_scalable_target(ServiceNamespace="sagemaker", ResourceId=resource_id(name),
-                                ScalableDimension=DIMENSION, MinCapacity=scaling.min, MaxCapacity=scaling.max)
+                                ScalableDimension=DIMENSION, MinCapacity=scaling.min, MaxCapacity=scaling.max,
+                                **tagged)
     done.append(f"autoscaling {name}: {scaling.min}-{scaling.max} instances")
     policy = policy_request(name, scaling)
     aa.put_scaling_policy(**policy)
@@ -175,7 +185,7 @@ def apply_autoscaling(aws: AWS, name: str, scaling: Autoscaling | None) -> list[
     wanted = {policy["PolicyName"]}
     if scaling.scale_to_zero:
         arn = aa.put_scaling_policy(**wake_policy_request(name))["PolicyARN"]
-        aws.cloudwatch.put_metric_alarm(**wake_alarm_request(name, arn))
+        aws.cloudwatch.put_metric_alarm(**wake_alarm_request(name, arn), **({"Tags": tags} if tags else {}))
         wanted.add(WAKE_POLICY)
         done.append(f"policy {WAKE_POLICY} + alarm {wake_alarm_name(name)}: scales up from zero on a backlog")
     for p in scaling_policies(aws, name):

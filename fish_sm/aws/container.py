@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 
-from fish_sm.aws import AWSError, Log, quiet
-from fish_sm.errors import InputError
-from fish_sm.settings import Settings
+from fish_sm.aws import AWSError
+from fish_sm.errors import ConfigError, InputError
+from fish_sm.settings import PREFIX as SETTINGS_PREFIX, Settings
 
 # TorchServe (stock container) limits: long texts give long audio, and compiles are slow.
 TS_TIMEOUT_S = 900
@@ -18,18 +18,6 @@ TS_MAX_BYTES = 100 * 1024 * 1024
 # The container serves only a package whose manifest.json has this sha256 (fish_sm.package.verify).
 MANIFEST_ENV = "FISH_SM_MANIFEST_SHA256"
 _ENV_KEY = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-
-# GPUs per instance type, for one TorchServe worker per GPU in the stock container.
-GPUS_PER_INSTANCE = {
-    **{f"ml.g4dn.{s}": 1 for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
-    "ml.g4dn.12xlarge": 4,
-    **{f"ml.{f}.{s}": 1 for f in ("g5", "g6", "g6e") for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
-    **{f"ml.{f}.{s}": 4 for f in ("g5", "g6", "g6e") for s in ("12xlarge", "24xlarge")},
-    **{f"ml.{f}.48xlarge": 8 for f in ("g5", "g6", "g6e")},
-    "ml.p4d.24xlarge": 8, "ml.p4de.24xlarge": 8,
-    "ml.p5.48xlarge": 8, "ml.p5e.48xlarge": 8, "ml.p5en.48xlarge": 8,
-}
-
 
 def parse_env(pairs) -> dict[str, str]:
     """--env KEY=VALUE pairs -> dict, with SageMaker's key syntax and size limits checked here."""
@@ -47,27 +35,28 @@ def parse_env(pairs) -> dict[str, str]:
     return env
 
 
-def gpu_count(instance_type: str) -> tuple[int, bool]:
-    """(GPUs on the instance type, whether the type is in our table); unknown types count as 1."""
-    if instance_type in GPUS_PER_INSTANCE:
-        return GPUS_PER_INSTANCE[instance_type], True
-    return 1, False
+def check_settings(env: dict[str, str]) -> Settings:
+    """The server's settings from the --env pairs, checked as `fish-sm serve` checks them at start
+    (an unknown FISH_SM_ name, a bad value), so a typo fails here rather than on the instance."""
+    try:
+        return Settings.from_env({k: v for k, v in env.items() if k.startswith(SETTINGS_PREFIX)})
+    except ConfigError as exc:
+        raise InputError(f"--env: {exc}") from None
 
 
-def container_environment(user_env: dict[str, str], *, stock_container: bool, instance_type: str,
-                          log: Log = quiet) -> dict[str, str]:
-    """The model's Environment: ours, then the user's (which wins), FISH_SM_* passed through as is."""
+def container_environment(user_env: dict[str, str], *, stock_container: bool, gpus: int) -> dict[str, str]:
+    """The model's Environment: ours, then the user's (which wins), FISH_SM_* passed through as is.
+
+    gpus: the instance type's GPUs; the stock container runs one TorchServe worker per GPU (one on a CPU).
+    """
     env = {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20"}
     if stock_container:
-        gpus, known = gpu_count(instance_type)
-        if not known:
-            log(f"note: {instance_type} is not in fish-sm's GPU table; starting 1 TorchServe worker "
-                "(set SAGEMAKER_TS_MIN_WORKERS/MAX_WORKERS with --env to change)")
+        workers = max(gpus, 1)
         env.update({
             "SAGEMAKER_PROGRAM": "inference.py",
             "SAGEMAKER_SUBMIT_DIRECTORY": "/opt/ml/model/code",
-            "SAGEMAKER_TS_MIN_WORKERS": str(gpus),  # one worker (one engine) per GPU
-            "SAGEMAKER_TS_MAX_WORKERS": str(gpus),
+            "SAGEMAKER_TS_MIN_WORKERS": str(workers),  # one worker (one engine) per GPU
+            "SAGEMAKER_TS_MAX_WORKERS": str(workers),
             "SAGEMAKER_TS_RESPONSE_TIMEOUT": str(TS_TIMEOUT_S),
             "SAGEMAKER_MODEL_SERVER_TIMEOUT": str(TS_TIMEOUT_S),
             "TS_DEFAULT_STARTUP_TIMEOUT": str(TS_TIMEOUT_S),
@@ -106,13 +95,4 @@ def server_kind(env: dict[str, str], *, stock_container: bool) -> str:
 
 def max_batch(env: dict[str, str]) -> int:
     """The batching server's slots per GPU: FISH_SM_MAX_BATCH in `env`, else the server's default."""
-    raw = env.get("FISH_SM_MAX_BATCH")
-    if raw is None:
-        return Settings.max_batch
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise InputError(f"--env FISH_SM_MAX_BATCH={raw!r} must be a whole number of at least 1")
-    return value
+    return check_settings(env).max_batch

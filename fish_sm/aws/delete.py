@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fish_sm.aws import AWSError
 from fish_sm.aws.alarms import delete_alarms, list_alarms
 from fish_sm.aws.autoscaling import remove_autoscaling
 from fish_sm.aws.endpoints import describe_endpoint
@@ -13,8 +14,9 @@ def _owned_names(pages, list_key: str, name_key: str, name: str) -> list[str]:
     return sorted(item[name_key] for page in pages for item in page.get(list_key, []) if owned(name, item[name_key]))
 
 
-def delete(aws: AWS, name: str) -> list[str]:
-    """Remove the endpoint and what deploys of it made; returns what was removed ([] if nothing)."""
+def delete(aws: AWS, name: str, *, wait: bool = False, poll_s: float = 15.0, max_attempts: int = 120) -> list[str]:
+    """Remove the endpoint and what deploys of it made; returns what was removed ([] if nothing).
+    With wait, return once SageMaker has finished deleting the endpoint (its instances are gone)."""
     check_name(name)
     sm, done = aws.sagemaker, []
     done += remove_autoscaling(aws, name)
@@ -22,6 +24,14 @@ def delete(aws: AWS, name: str) -> list[str]:
     if describe_endpoint(aws, name) is not None:
         sm.delete_endpoint(EndpointName=name)
         done.append(f"removed endpoint {name}")
+        if wait:
+            from botocore.exceptions import WaiterError
+
+            try:
+                sm.get_waiter("endpoint_deleted").wait(EndpointName=name,
+                                                       WaiterConfig={"Delay": poll_s, "MaxAttempts": max_attempts})
+            except WaiterError as exc:
+                raise AWSError(f"endpoint {name} was not deleted: {exc.kwargs.get('reason') or exc}") from None
     configs = _owned_names(sm.get_paginator("list_endpoint_configs").paginate(NameContains=name),
                            "EndpointConfigs", "EndpointConfigName", name)
     for config in configs:

@@ -1,27 +1,36 @@
 """Deploying: create the endpoint, or update it blue/green with auto-rollback, then autoscale it.
 
-The steps, in order: refuse an endpoint that is not InService, pick the image, check the
-model data and pin its manifest, create the model, the endpoint config and the rollback
-alarm, create or update the endpoint, and once it is InService apply the autoscaling asked
-for. What was made before a failed step is removed again.
+The steps, in order: refuse an endpoint that is not InService; check, before anything is
+made, the server's settings in --env, the instance type (its GPUs, from EC2), the image (in
+ECR) and the model data (a fish-sm package, whose manifest is pinned); create the model, the
+endpoint config and the rollback alarm, create or update the endpoint, and once it is
+InService apply the autoscaling asked for. What was made before a failed step is removed again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 
 from fish_sm.aws import AWSError, Log, quiet
 from fish_sm.aws.alarms import rollback_alarm_request
-from fish_sm.aws.autoscaling import METRIC_UNITS, apply_autoscaling, remove_autoscaling, scalable_target
-from fish_sm.aws.container import MANIFEST_ENV, container_environment, stock_image_uri
+from fish_sm.aws.autoscaling import (METRIC_UNITS, apply_autoscaling, remove_autoscaling, scalable_target,
+                                     with_target)
+from fish_sm.aws.container import MANIFEST_ENV, check_settings, container_environment, stock_image_uri
 from fish_sm.aws.deploy_request import DeployRequest, deployment_config, endpoint_config_request, model_request
 from fish_sm.aws.endpoints import describe_endpoint, endpoint_config, wait_endpoint
-from fish_sm.aws.naming import TAG_KEY, new_stamp, rollback_alarm_name
-from fish_sm.aws.package import read_tarball_manifest
+from fish_sm.aws.images import check_image
+from fish_sm.aws.instances import instance_gpus
+from fish_sm.aws.naming import new_stamp, rollback_alarm_name
+from fish_sm.aws.package import package_manifest
 from fish_sm.aws.s3 import S3Uri, head_object
 from fish_sm.aws.session import AWS, error_code
 from fish_sm.errors import InputError
+
+
+# Where a package made for the stock container without its dependencies lists them (fish_sm.package.build).
+REQUIREMENTS_ENTRY = "code/requirements.txt"
 
 
 @dataclass
@@ -30,35 +39,78 @@ class DeployResult:
     model_name: str
     config_name: str
     image: str
+    gpus: int = 0
+    inference_ami: str | None = None
+    manifest_sha256: str | None = None
     endpoint: dict | None = None  # the final describe_endpoint when waited
 
 
-def _check_model_data(aws: AWS, uri: S3Uri, log: Log) -> bool:
-    """Fail early on a missing model.tar.gz; a permission error is left to SageMaker's role
-    (False: the object cannot be read from here)."""
+@dataclass
+class Checked:
+    """What deploy learned before making anything: the image, the instance's GPUs, the pinned manifest."""
+
+    image: str
+    gpus: int
+    pinned: dict[str, str]
+
+
+def check_before_creating(aws: AWS, req: DeployRequest, log: Log = quiet) -> Checked:
+    """Everything that can be known wrong before money is spent: the server's settings in --env, the
+    instance type and its GPUs, the image in ECR, and the model data as a fish-sm package."""
+    req.validate()
+    check_settings(req.env)
+    gpus = req.gpus if req.gpus is not None else instance_gpus(aws, req.instance_type)
+    if req.stock_container and req.image is None:
+        image = stock_image_uri(aws.region_name, req.instance_type)
+    else:
+        image = req.image
+    check_image(aws, image, log)
+    manifest = read_manifest(aws, req.model_data, log)
+    if manifest is not None and req.stock_container:
+        check_offline_start(json.loads(manifest), req, log)
+    return Checked(image, gpus, pinned_manifest(manifest, req.model_data, req.env.get(MANIFEST_ENV), log))
+
+
+def read_manifest(aws: AWS, uri: S3Uri, log: Log) -> bytes | None:
+    """The package's manifest.json. An object that is not a fish-sm package, or does not exist, is an
+    error; one these credentials cannot read is left to SageMaker's role (None), with a note."""
     try:
         if head_object(aws, uri) is None:
             raise AWSError(f"--model-data {uri} does not exist")
-    except AWSError:
-        raise
+        return package_manifest(aws, uri)
     except Exception as exc:
-        if error_code(exc) in ("403", "AccessDenied", "Forbidden"):
-            log(f"note: cannot read {uri} with your credentials; SageMaker will use the role's")
-            return False
-        raise
-    return True
+        if error_code(exc) not in ("403", "AccessDenied", "Forbidden"):
+            raise
+        log(f"note: cannot read {uri} with your credentials, so it is not checked and its manifest is not "
+            f"pinned; SageMaker will use the role's")
+        return None
 
 
-def pinned_manifest(aws: AWS, uri: S3Uri, readable: bool, log: Log) -> dict[str, str]:
-    """{FISH_SM_MANIFEST_SHA256: sha256 of the tarball's manifest.json}, so the container serves
-    only this package; empty (with a note) when the manifest cannot be read from here."""
-    manifest = read_tarball_manifest(aws, uri) if readable else None
+def check_offline_start(manifest: dict, req: DeployRequest, log: Log) -> None:
+    """The stock container pip-installs code/requirements.txt at start, which needs the internet:
+    refused with --network-isolation, noted in a VPC (which reaches it only through a NAT)."""
+    if REQUIREMENTS_ENTRY not in manifest.get("files", {}):
+        return
+    if req.network_isolation:
+        raise InputError(f"--model-data {req.model_data} installs {REQUIREMENTS_ENTRY} with pip when the stock "
+                         "container starts, which --network-isolation forbids; build it with `fish-sm package "
+                         "--stock-container` to carry its dependencies")
+    if req.subnets:
+        log(f"note: the stock container installs {REQUIREMENTS_ENTRY} with pip at start: the subnets need a NAT "
+            "gateway, or build the package with `fish-sm package --stock-container`")
+
+
+def pinned_manifest(manifest: bytes | None, uri: S3Uri, given: str | None, log: Log) -> dict[str, str]:
+    """{FISH_SM_MANIFEST_SHA256: sha256 of the package's manifest.json}, so the container serves
+    only this package; nothing when the manifest could not be read or the user pinned it."""
     if manifest is None:
-        why = "it cannot be read with your credentials" if not readable else \
-            "it does not start with manifest.json (not made by `fish-sm package`)"
-        log(f"note: the package's manifest cannot be pinned ({MANIFEST_ENV} not set): {why}")
         return {}
     digest = hashlib.sha256(manifest).hexdigest()
+    if given is not None:  # the user's pin, checked rather than replaced
+        if given.lower() != digest:
+            raise InputError(f"--env {MANIFEST_ENV}={given} does not match the manifest.json of {uri} ({digest}); "
+                             "the container would refuse to serve it")
+        return {}
     log(f"pinned the package's manifest.json: {MANIFEST_ENV}={digest}")
     return {MANIFEST_ENV: digest}
 
@@ -69,41 +121,39 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
     req.validate()
     if req.autoscaling is not None and not wait:
         raise InputError("autoscaling can only be attached once the endpoint is InService: leave out --no-wait")
-    if req.autoscaling is not None:
-        sc = req.autoscaling
-        log(f"autoscaling target: {sc.target:g} {METRIC_UNITS[sc.metric]}" + (f" ({sc.reason})" if sc.reason else ""))
     sm = aws.sagemaker
     existing = describe_endpoint(aws, req.name)
     if existing is not None and existing["EndpointStatus"] != "InService":
         status, reason = existing["EndpointStatus"], existing.get("FailureReason")
         hint = f"run `fish-sm delete {req.name}` first" if status == "Failed" else "wait until it is InService"
         raise AWSError(f"endpoint {req.name} is {status}{f' ({reason})' if reason else ''}; {hint}")
-    if req.stock_container and req.image is None:
-        image = stock_image_uri(aws.region_name, req.instance_type)
-    else:
-        image = req.image
-    readable = _check_model_data(aws, req.model_data, log)
-    # The user's --env FISH_SM_MANIFEST_SHA256 wins, as every --env does.
-    pinned = {} if MANIFEST_ENV in req.env else pinned_manifest(aws, req.model_data, readable, log)
-    env = container_environment({**pinned, **req.env}, stock_container=req.stock_container,
-                                instance_type=req.instance_type, log=log)
+    checked = check_before_creating(aws, req, log)
+    scaling = with_target(req.autoscaling, gpus=checked.gpus, env=req.env, stock_container=req.stock_container)
+    if scaling is not None:
+        log(f"autoscaling target: {scaling.target:g} {METRIC_UNITS[scaling.metric]}"
+            + (f" ({scaling.reason})" if scaling.reason else ""))
+    # The user's --env wins, as every --env does (a FISH_SM_MANIFEST_SHA256 given was checked above).
+    env = container_environment({**checked.pinned, **req.env}, stock_container=req.stock_container,
+                                gpus=checked.gpus)
+    image, ami = checked.image, req.inference_ami(checked.gpus)
 
     stamp = new_stamp()
     model_name = config_name = f"{req.name}-{stamp}"
     made: list[tuple[str, str]] = []
+    tags = req.resource_tags()
     try:
         sm.create_model(**model_request(req, model_name, image, env))
         made.append(("model", model_name))
         log(f"created model {model_name} ({image})")
-        sm.create_endpoint_config(**endpoint_config_request(req, config_name, model_name))
+        sm.create_endpoint_config(**endpoint_config_request(req, config_name, model_name, checked.gpus))
         made.append(("config", config_name))
         log(f"created endpoint config {config_name}: {req.instances} x {req.instance_type}"
+            + (f" ({checked.gpus} GPU{'s' if checked.gpus != 1 else ''}" + (f", {ami})" if ami else ")"))
             + (", asynchronous" if req.async_options else ""))
-        aws.cloudwatch.put_metric_alarm(**rollback_alarm_request(req.name, req.rollback_errors))
+        aws.cloudwatch.put_metric_alarm(**rollback_alarm_request(req.name, req.rollback_errors), Tags=tags)
         log(f"alarm {rollback_alarm_name(req.name)}: >= {req.rollback_errors} 5XX errors a minute")
         if existing is None:
-            sm.create_endpoint(EndpointName=req.name, EndpointConfigName=config_name,
-                               Tags=[{"Key": TAG_KEY, "Value": req.name}])
+            sm.create_endpoint(EndpointName=req.name, EndpointConfigName=config_name, Tags=tags)
             action = "created"
             log(f"creating endpoint {req.name}")
         else:
@@ -114,6 +164,8 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
                     log(f"{line} (the instance type changes from {old})")
             sm.update_endpoint(EndpointName=req.name, EndpointConfigName=config_name,
                                DeploymentConfig=deployment_config(req))
+            if req.tags:  # the endpoint exists already: --tags reach it here
+                sm.add_tags(ResourceArn=existing["EndpointArn"], Tags=tags[1:])
             action = "updated"
             log(f"updating endpoint {req.name} blue/green (baking {req.bake_seconds} s, "
                 f"rolls back when {rollback_alarm_name(req.name)} fires)")
@@ -121,11 +173,12 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
         _discard(aws, made)  # nothing uses them yet: leave no half-made deploy behind
         raise
 
-    result = DeployResult(action, model_name, config_name, image)
+    result = DeployResult(action, model_name, config_name, image, checked.gpus, ami,
+                          env.get(MANIFEST_ENV))
     if wait:
         result.endpoint = wait_endpoint(aws, req.name, config_name=config_name, poll_s=poll_s,
                                         timeout_s=timeout_s, log=log)
-        for line in apply_autoscaling(aws, req.name, req.autoscaling):
+        for line in apply_autoscaling(aws, req.name, scaling, tags=tags):
             log(line)
     return result
 

@@ -6,12 +6,14 @@ pin it with a few ranged GETs instead of downloading the weights.
 
 from __future__ import annotations
 
+import json
 import tarfile
 import zlib
 from pathlib import Path
 
 from fish_sm.aws.s3 import DEFAULT_PART_SIZE, Progress, S3Uri, read_range, upload_file
 from fish_sm.aws.session import AWS
+from fish_sm.errors import InputError
 from fish_sm.package.tarball import MANIFEST
 
 MANIFEST_RANGE = 64 * 1024  # bytes of model.tar.gz read first: a compressed manifest is a few KB
@@ -21,25 +23,49 @@ MANIFEST_LIMIT = 4 * 1024 * 1024  # bytes read (and manifest bytes) beyond which
 def read_tarball_manifest(aws: AWS, uri: S3Uri) -> bytes | None:
     """The manifest.json at the start of an S3 model.tar.gz, read with ranged GETs and decompressed
     as it comes; None when the object is not a tarball whose first entry is manifest.json."""
+    return _read_manifest(aws, uri)[0]
+
+
+def package_manifest(aws: AWS, uri: S3Uri) -> bytes:
+    """manifest.json of a package made by `fish-sm package`, or an InputError saying why `uri` is not one."""
+    manifest, why = _read_manifest(aws, uri)
+    if manifest is None:
+        raise InputError(f"--model-data {uri} {why}; make it with `fish-sm package`")
+    try:
+        parsed = json.loads(manifest)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("files"), dict):
+        raise InputError(f"--model-data {uri}: its manifest.json is not a fish-sm manifest (no \"files\" table); "
+                         "make it with `fish-sm package`")
+    return manifest
+
+
+def _read_manifest(aws: AWS, uri: S3Uri) -> tuple[bytes | None, str]:
+    """(manifest.json's bytes, '') or (None, why not)."""
     inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing
     tar = bytearray()
     offset, length = 0, MANIFEST_RANGE
     while offset < MANIFEST_LIMIT:
         chunk, total = read_range(aws, uri, offset, length)
         if not chunk:
-            return None
+            return None, "is empty" if offset == 0 else "ends before its first entry does"
+        if offset == 0 and not chunk.startswith(b"\x1f\x8b"):
+            return None, "is not a gzip file (model.tar.gz)"
         offset += len(chunk)
         try:  # max_length: a small, highly compressed object cannot expand past the limit in memory
             tar += inflate.decompress(chunk, MANIFEST_LIMIT + 512 + 1 - len(tar))
         except zlib.error:
-            return None
+            return None, "is not a valid gzip file"
         found = _first_entry(tar)
+        if found is None:
+            return None, "has no manifest.json as its first entry (or is not a tar archive)"
         if found is not _MORE:
-            return found
+            return found, ""
         if offset >= total or inflate.eof or len(tar) > MANIFEST_LIMIT + 512:
-            return None
+            return None, "has no complete manifest.json as its first entry"
         length *= 2
-    return None
+    return None, f"has no manifest.json within its first {MANIFEST_LIMIT // (1024 * 1024)} MiB"
 
 
 _MORE = object()  # the first entry is not complete in the bytes so far

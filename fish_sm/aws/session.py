@@ -50,14 +50,16 @@ class AWS:
             raise AWSError("no AWS region: pass --region or set AWS_REGION / a profile's region")
         return name
 
-    def client(self, service: str):
-        """A client for `service` (cached), pointed at --endpoint-url when given."""
+    def client(self, service: str, region: str | None = None):
+        """A client for `service` (cached), pointed at --endpoint-url when given; `region` for a
+        resource that lives elsewhere (an ECR image in another region)."""
+        key = service if region is None or region == self.region_name else (service, region)
         with self._lock:
-            if service not in self._clients:
-                self._clients[service] = self._make_client(service)
-            return self._clients[service]
+            if key not in self._clients:
+                self._clients[key] = self._make_client(service, region)
+            return self._clients[key]
 
-    def _make_client(self, service: str):
+    def _make_client(self, service: str, region: str | None = None):
         from botocore.config import Config
 
         options = dict(
@@ -69,7 +71,7 @@ class AWS:
             options.update(read_timeout=_RUNTIME_READ_TIMEOUT_S, retries={"mode": "standard", "total_max_attempts": 1})
         if service == "s3" and self.endpoint_url:
             options["s3"] = {"addressing_style": "path"}  # a bare host:port has no bucket subdomains
-        return self.session.client(service, region_name=self.region_name, endpoint_url=self.endpoint_url,
+        return self.session.client(service, region_name=region or self.region_name, endpoint_url=self.endpoint_url,
                                    config=Config(**options))
 
     @property
@@ -91,6 +93,14 @@ class AWS:
     @property
     def cloudwatch(self):
         return self.client("cloudwatch")
+
+    @property
+    def ec2(self):
+        return self.client("ec2")
+
+    @property
+    def logs(self):
+        return self.client("logs")
 
 
 def error_code(exc: BaseException) -> str:

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import click
 
-from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws, one_target
+from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws, one_target, output_format_option
 from fish_sm.contract import AUDIO_TYPES
 
 
 @main.command()
 @click.argument("name", required=False)
 @click.option("--url", help="Benchmark a running server over HTTP.")
-@click.option("--local", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="MODEL_DIR",
-              help="Start `fish-sm serve MODEL_DIR` on a free port, benchmark it, stop it.")
+@click.option("--local", type=click.Path(exists=True, path_type=Path), metavar="MODEL",
+              help="Start `fish-sm serve MODEL` (a package or checkpoint directory, or model.tar.gz) on a free "
+                   "port, benchmark it, stop it.")
 @click.option("--concurrency", default="1,4,16", show_default=True, help="Concurrency levels, comma-separated.")
 @click.option("--requests", "n_requests", type=int, default=32, show_default=True, help="Requests per level.")
 @click.option("--texts", type=click.Path(dir_okay=False, path_type=Path),
@@ -28,24 +29,33 @@ from fish_sm.contract import AUDIO_TYPES
 @click.option("--max-new-tokens", type=int, help="Cap the frames per text chunk (shorter runs).")
 @click.option("--seed", type=int)
 @click.option("--warmup", type=int, default=1, show_default=True, help="Unmeasured requests sent first.")
+@click.option("--max-error-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="The fraction of a level's requests that may bring no audio (errors, answers that are not "
+                   "audio, rejections by a full server); a level over it fails the run (exit 1).")
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"),
               show_default=True, help="Folder for bench.json and bench.html.")
 @click.option("--timeout", type=float, default=900, show_default=True, help="Seconds per request.")
 @click.option("--startup-timeout", type=float, default=900, show_default=True, help="--local: seconds to wait for /ping.")
+@output_format_option
 @aws_options
 @friendly_errors
 def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, max_new_tokens, seed, warmup,
-          out_dir, timeout, startup_timeout, region, profile, endpoint_url):
+          max_error_rate, out_dir, timeout, startup_timeout, output_format, region, profile, endpoint_url):
     """Load-test endpoint NAME, --url or --local: latency, throughput, real-time factor, errors,
-    requests rejected by a full server, and with --stream the time to first audio."""
+    requests rejected by a full server, and with --stream the time to first audio.
+
+    Every answer must be audio of the format asked for; a level whose requests fail more often
+    than --max-error-rate fails the run, after the report is written."""
     import contextlib
+    import json
 
     from fish_sm.clients import bench as b
-    from fish_sm.clients.endpoint import EndpointTarget
+    from fish_sm.clients.endpoint import EndpointTarget, endpoint_instances
     from fish_sm.clients.local_server import local_server
-    from fish_sm.clients.report import format_table, write_html, write_json
+    from fish_sm.clients.report import format_table, verdict_lines, write_html, write_json
     from fish_sm.clients.request import check_stream
-    from fish_sm.clients.url import UrlTarget
+    from fish_sm.clients.url import UrlTarget, server_info
+    from fish_sm.errors import FishSMError
 
     one_target(("NAME", name), ("--url", url), ("--local", local))
     if stream:
@@ -54,20 +64,42 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
     text_list = b.load_texts(texts) if texts else [{"text": t} for t in b.BUILTIN_TEXTS]
     base = {k: v for k, v in (("voice", voice), ("format", fmt), ("max_new_tokens", max_new_tokens),
                               ("seed", seed)) if v is not None}
+    # With --output json, stdout carries one JSON object; progress and the table go to stderr.
+    say = (lambda line: click.echo(line, err=True)) if output_format == "json" else click.echo
+    server = None
     with contextlib.ExitStack() as stack:
         if local:
-            click.echo(f"starting fish-sm serve {local} ...")
+            say(f"starting fish-sm serve {local} ...")
             url = stack.enter_context(local_server(local, log_path=out_dir / "serve.log",
                                                    startup_timeout_s=startup_timeout))
-            click.echo(f"serving at {url} (log: {out_dir / 'serve.log'})")
+            say(f"serving at {url} (log: {out_dir / 'serve.log'})")
         if url:
             target = UrlTarget(url, timeout_s=timeout)
+            device, server = server_info(url)
         else:
-            target = EndpointTarget(make_aws(region, profile, endpoint_url, max_pool_connections=max(levels) + 2), name)
+            aws = make_aws(region, profile, endpoint_url, max_pool_connections=max(levels) + 2)
+            device = endpoint_instances(aws, name)  # also refuses an endpoint that is missing or not in service
+            target = EndpointTarget(aws, name)
         report = b.run_bench(target, concurrencies=levels, requests_per_level=n_requests, texts=text_list, base=base,
-                             accept=AUDIO_TYPES[fmt], warmup=warmup, stream=stream, log=click.echo)
+                             accept=AUDIO_TYPES[fmt], warmup=warmup, stream=stream, max_error_rate=max_error_rate,
+                             device=device, server=server, log=say)
+    if local:
+        report["target"] = f"local {local} (served at {report['target']})"
     json_path = write_json(report, out_dir / "bench.json")
-    click.echo(format_table(report))
-    click.echo(f"wrote {json_path}")
+    say(format_table(report))
+    for line in verdict_lines(report):
+        say(line)
+    say(f"wrote {json_path}")
     html_path = write_html(report, out_dir / "bench.html")
-    click.echo(f"wrote {html_path}")
+    say(f"wrote {html_path}")
+    if output_format == "json":
+        click.echo(json.dumps({**{k: v for k, v in report.items() if k != "samples"},
+                               "json": str(json_path), "html": str(html_path)}))
+    failed = [lv for lv in report["levels"] if not lv["passed"]]
+    if failed:
+        worst = max(failed, key=lambda lv: lv["error_rate"])
+        example = " ".join(str(next(iter(worst["error_examples"].values()), "")).split())[:300]
+        raise FishSMError(
+            f"{len(failed)} of {len(report['levels'])} level(s) over --max-error-rate {max_error_rate:g}: "
+            + ", ".join(f"concurrency {lv['concurrency']} {lv['requests'] - lv['ok']}/{lv['requests']} failed"
+                        for lv in failed) + (f"; e.g. {example}" if example else ""))

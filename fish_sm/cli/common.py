@@ -7,6 +7,7 @@ Heavy imports (torch, boto3) happen inside the commands that need them, so `fish
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import click
 
@@ -97,7 +98,100 @@ def human_size(n: float) -> str:
     return f"{n:.1f} GB"
 
 
+# Defaults for options come from a TOML file, then environment variables, then flags (each
+# overriding the one before). The variables are FISHSM_<COMMAND>_<OPTION> (FISHSM_DEPLOY_ROLE,
+# FISHSM_DEPLOY_INSTANCE_TYPE): not FISH_SM_, which the server reserves for its settings and
+# refuses when unknown.
+CONFIG_ENV = "FISHSM_CONFIG"
+ENV_PREFIX = "FISHSM"
+DEFAULT_SECTION = "default"
+
+
+def config_path() -> tuple[Path, bool]:
+    """The config file, and whether it was named (FISHSM_CONFIG) rather than the default place."""
+    import os
+
+    named = os.environ.get(CONFIG_ENV)
+    if named:
+        return Path(named).expanduser(), True
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return base / "fish-sm" / "config.toml", False
+
+
+def _option_keys(command: click.Command) -> dict[str, click.Option]:
+    """A command's options by the names a user writes: the long flag ('instance-type') and its
+    underscore spelling ('instance_type')."""
+    keys = {}
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name:
+            for flag in param.opts:
+                if flag.startswith("--"):
+                    keys[flag[2:]] = keys[flag[2:].replace("-", "_")] = param
+    return keys
+
+
+def _name_envvars(command_name: str, command: click.Command) -> None:
+    """FISHSM_<COMMAND>_<OPTION> for each option without a variable of its own, from its first long flag."""
+    for param in command.params:
+        if isinstance(param, click.Option) and param.envvar is None:
+            flag = next((f[2:] for f in param.opts if f.startswith("--")), None)
+            if flag:
+                param.envvar = f"{ENV_PREFIX}_{command_name}_{flag}".upper().replace("-", "_")
+
+
+def load_config(group: click.Group, ctx: click.Context) -> dict:
+    """click's default_map from the config file: {command: {parameter: value}}, [default] keys
+    going to every command that has that option. A file named but missing, bad TOML, an unknown
+    section or key: a ClickException (one line)."""
+    path, named = config_path()
+    if not path.is_file():
+        if named:
+            raise click.ClickException(f"config file {path} (from {CONFIG_ENV}) does not exist")
+        return {}
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise click.ClickException(f"config file {path}: {' '.join(str(exc).split())}") from None
+    options = {name: _option_keys(group.get_command(ctx, name)) for name in group.list_commands(ctx)}
+    default_map: dict = {name: {} for name in options}
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise click.ClickException(f"config file {path}: {section!r} must be a [section] of option = value")
+        if section != DEFAULT_SECTION and section not in options:
+            raise click.ClickException(f"config file {path}: [{section}] is no fish-sm command; sections are "
+                                       f"[{DEFAULT_SECTION}] and command names")
+        for key, value in values.items():
+            takers = [name for name, known in options.items()
+                      if key in known and (section == DEFAULT_SECTION or name == section)]
+            if not takers:
+                raise click.ClickException(f"config file {path}: [{section}] {key}: no such option"
+                                           + ("" if section == DEFAULT_SECTION else f" of `fish-sm {section}`"))
+            for name in takers:
+                param = options[name][key].name
+                if section == DEFAULT_SECTION:  # a command's own section wins, wherever it is in the file
+                    default_map[name].setdefault(param, value)
+                else:
+                    default_map[name][param] = value
+    return {name: values for name, values in default_map.items() if values}
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fish-sm")
-def main():
-    """Serve the OpenAudio S1-mini text-to-speech model on SageMaker."""
+@click.pass_context
+def main(ctx):
+    """Serve the OpenAudio S1-mini text-to-speech model on SageMaker.
+
+    Option defaults may come from a TOML file, ~/.config/fish-sm/config.toml or the file
+    FISHSM_CONFIG names: a [default] section (e.g. region = "us-east-1") for every command
+    and a section per command ([deploy] role = "arn:...", instance-type = "ml.g5.xlarge").
+    Environment variables FISHSM_<COMMAND>_<OPTION> (FISHSM_DEPLOY_INSTANCE_TYPE) override
+    the file, and flags override both.
+    """
+    if ctx.resilient_parsing:  # shell completion: no file reading
+        return
+    if ctx.invoked_subcommand:
+        _name_envvars(ctx.invoked_subcommand, ctx.command.get_command(ctx, ctx.invoked_subcommand))
+    ctx.default_map = load_config(ctx.command, ctx)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
-from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws
+from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws, output_format_option
 
 
 @main.command()
@@ -15,7 +17,16 @@ from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws
 @click.option("--stock-container", is_flag=True,
               help="Run on AWS's PyTorch inference image with code/inference.py (image from the sagemaker SDK "
                    "unless --image).")
-@click.option("--instance-type", default="ml.g5.xlarge", show_default=True)
+@click.option("--instance-type", default="ml.g5.xlarge", show_default=True,
+              help="Checked with EC2's DescribeInstanceTypes (ml.g5.12xlarge is EC2's g5.12xlarge), which also "
+                   "gives its GPUs.")
+@click.option("--gpus", type=click.IntRange(0, 64),
+              help="GPUs on the instance type, instead of asking EC2 (for credentials without "
+                   "ec2:DescribeInstanceTypes).")
+@click.option("--ami-version", default="auto", show_default=True, metavar="VERSION|auto|none",
+              help="The variant's InferenceAmiVersion (host image and NVIDIA driver). auto: "
+                   "al2023-ami-sagemaker-inference-gpu-4-1 (driver 580, CUDA 13.0, which fish-sm's image needs) on "
+                   "GPU types, unset on CPU types; none: leave it to SageMaker (driver 535 or 550).")
 @click.option("--instances", type=int, default=1, show_default=True, help="Instances to start with.")
 @click.option("--min", "min_instances", type=int, help="Autoscaling minimum (default: --instances).")
 @click.option("--max", "max_instances", type=int, help="Autoscaling maximum; turns autoscaling on.")
@@ -29,14 +40,28 @@ from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws
               help="Real-time scaling metric: concurrent requests (high resolution; follows the server's slots) or "
                    "invocations a minute.")
 @click.option("--async", "is_async", is_flag=True, help="Asynchronous inference: requests and results in S3.")
-@click.option("--output", "async_output", metavar="s3://...", help="Async: where results go.")
-@click.option("--failure", "async_failure", metavar="s3://...", help="Async: where errors go (default: OUTPUT-failures/).")
+@click.option("--async-output", "async_output", metavar="s3://...", help="Async: where results go.")
+@click.option("--failure", "async_failure", metavar="s3://...",
+              help="Async: where errors go (default: ASYNC-OUTPUT-failures/).")
 @click.option("--sns-success", metavar="ARN", help="Async: SNS topic told of each result.")
 @click.option("--sns-error", metavar="ARN", help="Async: SNS topic told of each failure.")
 @click.option("--max-concurrent", type=int, help="Async: requests one instance works on at once.")
 @click.option("--scale-to-zero", is_flag=True, help="Async: scale to 0 instances when idle, back up on a backlog.")
 @click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE",
-              help="Container environment, e.g. FISH_SM_COMPILE=1. Repeatable.")
+              help="Container environment, e.g. FISH_SM_COMPILE=false; FISH_SM_* settings are checked as the "
+                   "server checks them. Repeatable.")
+@click.option("--tags", "tag_pairs", multiple=True, metavar="KEY=VALUE",
+              help="A tag on every resource the deploy makes (model, config, endpoint, alarms, scaling). Repeatable.")
+@click.option("--subnets", multiple=True, metavar="ID[,ID]",
+              help="Run the model in these VPC subnets (with --security-groups). Repeatable or comma-separated.")
+@click.option("--security-groups", multiple=True, metavar="ID[,ID]",
+              help="The model's VPC security groups (with --subnets). Repeatable or comma-separated.")
+@click.option("--kms-key", metavar="KEY", help="KMS key (id, ARN or alias) for the instances' storage volumes.")
+@click.option("--network-isolation", is_flag=True,
+              help="No network access from the container (S3 reference audio then cannot be fetched).")
+@click.option("--data-capture", metavar="s3://...", help="Capture requests and responses to this S3 prefix.")
+@click.option("--data-capture-percent", type=int,
+              help="With --data-capture: the share of requests captured, 1-100 (default 100).")
 @click.option("--startup-timeout", type=int, default=1800, show_default=True,
               help="Seconds the container may take to pass its first /ping (warm-up).")
 @click.option("--download-timeout", type=int, default=1800, show_default=True,
@@ -47,24 +72,28 @@ from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws
               help="Updates: 5XX errors in a minute that trigger the rollback.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until InService (needed for autoscaling).")
 @click.option("--poll", type=float, default=15.0, show_default=True, help="Seconds between status checks.")
+@output_format_option
 @aws_options
 @friendly_errors
-def deploy(name, model_data, role, image, stock_container, instance_type, instances, min_instances, max_instances,
-           target, metric, is_async, async_output, async_failure, sns_success, sns_error, max_concurrent,
-           scale_to_zero, env_pairs, startup_timeout, download_timeout, bake, rollback_errors, wait, poll,
-           region, profile, endpoint_url):
+def deploy(name, model_data, role, image, stock_container, instance_type, gpus, ami_version, instances, min_instances,
+           max_instances, target, metric, is_async, async_output, async_failure, sns_success, sns_error,
+           max_concurrent, scale_to_zero, env_pairs, tag_pairs, subnets, security_groups, kms_key, network_isolation,
+           data_capture, data_capture_percent, startup_timeout, download_timeout, bake, rollback_errors, wait, poll,
+           output_format, region, profile, endpoint_url):
     """Create endpoint NAME, or update it blue/green with automatic rollback.
 
     Autoscaling options give the wanted state: a deploy without --max (or --scale-to-zero)
-    removes autoscaling the endpoint had.
+    removes autoscaling the endpoint had. Before anything is made, deploy checks the FISH_SM_*
+    settings in --env as the server would, the instance type (EC2), the image (when in ECR) and
+    that --model-data is a package made by `fish-sm package`.
     """
     from fish_sm.aws.autoscaling import make_autoscaling
     from fish_sm.aws.container import parse_env
     from fish_sm.aws.deploy import deploy as deploy_endpoint
-    from fish_sm.aws.deploy_request import DeployRequest, make_async
+    from fish_sm.aws.deploy_request import DataCapture, DeployRequest, make_async, parse_tags, split_ids
     from fish_sm.aws.s3 import parse_s3_uri
 
-    async_only = {"--output": async_output, "--failure": async_failure, "--sns-success": sns_success,
+    async_only = {"--async-output": async_output, "--failure": async_failure, "--sns-success": sns_success,
                   "--sns-error": sns_error, "--max-concurrent": max_concurrent, "--scale-to-zero": scale_to_zero or None}
     if not is_async:
         given = [flag for flag, v in async_only.items() if v is not None]
@@ -73,21 +102,41 @@ def deploy(name, model_data, role, image, stock_container, instance_type, instan
         async_options = None
     else:
         if not async_output:
-            raise click.UsageError("--async needs --output s3://bucket/prefix/")
-        async_options = make_async(parse_s3_uri(async_output, what="--output", prefix=True),
+            raise click.UsageError("--async needs --async-output s3://bucket/prefix/")
+        async_options = make_async(parse_s3_uri(async_output, what="--async-output", prefix=True),
                                    parse_s3_uri(async_failure, what="--failure", prefix=True) if async_failure else None,
                                    sns_success, sns_error, max_concurrent)
     env = parse_env(env_pairs)
+    capture = None
+    if data_capture:
+        capture = DataCapture(parse_s3_uri(data_capture, what="--data-capture", prefix=True),
+                              100 if data_capture_percent is None else data_capture_percent)
+    elif data_capture_percent is not None:
+        raise click.UsageError("--data-capture-percent only applies with --data-capture s3://...")
     request = DeployRequest(
         name=name, model_data=parse_s3_uri(model_data, what="--model-data", prefix=False), role=role,
         instance_type=instance_type, image=image, stock_container=stock_container, instances=instances, env=env,
         autoscaling=make_autoscaling(instances=instances, min_instances=min_instances, max_instances=max_instances,
-                                     target=target, metric=metric, is_async=is_async, scale_to_zero=scale_to_zero,
-                                     instance_type=instance_type, env=env, stock_container=stock_container),
+                                     target=target, metric=metric, is_async=is_async, scale_to_zero=scale_to_zero),
         async_options=async_options, startup_timeout=startup_timeout, download_timeout=download_timeout,
-        bake_seconds=bake, rollback_errors=rollback_errors)
-    result = deploy_endpoint(make_aws(region, profile, endpoint_url), request, wait=wait, poll_s=poll, log=click.echo)
-    if result.endpoint is not None:
+        bake_seconds=bake, rollback_errors=rollback_errors, gpus=gpus, ami_version=ami_version,
+        tags=parse_tags(tag_pairs), subnets=split_ids(subnets), security_groups=split_ids(security_groups),
+        kms_key=kms_key, network_isolation=network_isolation, data_capture=capture)
+    as_json = output_format == "json"
+
+    def progress(line: str) -> None:  # with --output json, stdout holds only the result
+        click.echo(line, err=as_json)
+
+    result = deploy_endpoint(make_aws(region, profile, endpoint_url), request, wait=wait, poll_s=poll, log=progress)
+    if as_json:
+        status = result.endpoint["EndpointStatus"] if result.endpoint else "Creating" if result.action == "created" \
+            else "Updating"
+        click.echo(json.dumps({"name": name, "action": result.action, "status": status, "model": result.model_name,
+                               "endpoint_config": result.config_name, "image": result.image,
+                               "instance_type": instance_type, "gpus": result.gpus,
+                               "inference_ami_version": result.inference_ami,
+                               "manifest_sha256": result.manifest_sha256}, indent=2))
+    elif result.endpoint is not None:
         click.echo(f"endpoint {name} {result.action} and InService on {result.config_name}")
     else:
         click.echo(f"endpoint {name} is being {result.action}; follow it with `fish-sm status {name}`")

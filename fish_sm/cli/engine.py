@@ -2,11 +2,56 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 
 from fish_sm.cli.common import friendly_errors, main
+
+
+# What --output's extension may be: the formats a server answers with (libsndfile writes MP3 from 1.1 on).
+OUTPUT_FORMATS = ("wav", "flac", "ogg", "mp3", "pcm")
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def _check_device(ctx, param, value: str) -> str:
+    if not _DEVICE.fullmatch(value):
+        raise click.BadParameter(f"{value!r}: choose auto, cpu, cuda or cuda:N")
+    return value
+
+
+def _check_cuda(device: str) -> None:
+    """A CUDA device that this machine and this torch have, in one line if not."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    if torch.version.cuda is None:
+        raise click.ClickException(f"CUDA is not available on this machine (torch {version} CPU build); "
+                                   "use --device cpu")
+    if not torch.cuda.is_available():
+        raise click.ClickException(f"CUDA is not available on this machine (torch {version} for CUDA "
+                                   f"{torch.version.cuda}, no usable GPU); use --device cpu")
+    index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+    if index >= count:
+        raise click.ClickException(f"--device {device}: this machine has {count} CUDA device(s), "
+                                   f"cuda:0 to cuda:{count - 1}")
+
+
+def _output_format(output: Path) -> str:
+    """The audio format --output's extension names, checked before any synthesis."""
+    from fish_sm.serving.audio import writable_formats
+
+    fmt = output.suffix.lower().lstrip(".")
+    if fmt not in OUTPUT_FORMATS:
+        raise click.ClickException(f"--output {output}: the extension names the audio format; use one of "
+                                   f"{', '.join('.' + f for f in OUTPUT_FORMATS)}")
+    if fmt not in writable_formats():
+        raise click.ClickException(f"--output {output}: this libsndfile cannot write {fmt}; use one of "
+                                   f"{', '.join('.' + f for f in writable_formats())}")
+    return fmt
 
 
 @main.command("make-checkpoint")
@@ -27,7 +72,8 @@ def make_checkpoint(directory: Path, preset: str, seed: int):
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("text")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("out.wav"),
-              show_default=True, help="Audio file to write; the format follows the extension (wav, flac, ogg).")
+              show_default=True, help="Audio file to write; the format follows the extension: "
+                                      f"{', '.join('.' + f for f in OUTPUT_FORMATS)}.")
 @click.option("--reference", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Reference recording of the voice to imitate.")
 @click.option("--reference-text", help="Transcript of --reference.")
@@ -37,8 +83,10 @@ def make_checkpoint(directory: Path, preset: str, seed: int):
 @click.option("--max-new-tokens", type=int, default=1024, show_default=True, help="Frames per text chunk at most.")
 @click.option("--chunk-length", type=int, default=200, show_default=True, help="Characters per text chunk at most.")
 @click.option("--seed", type=int, default=None)
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True, callback=_check_device,
+              help="auto (CUDA if present, else the CPU), cpu, cuda, or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
+              help="The transformer's precision; auto: bf16 on CUDA, fp32 on the CPU.")
 @click.option("--stream", is_flag=True, help="Decode audio while generating (prints time to first audio).")
 @friendly_errors
 def synthesize(checkpoint, text, output, reference, reference_text, temperature, top_p, repetition_penalty,
@@ -47,12 +95,14 @@ def synthesize(checkpoint, text, output, reference, reference_text, temperature,
     import time
 
     import numpy as np
-    import soundfile as sf
 
     from fish_sm.engine import Engine
+    from fish_sm.serving.audio import encode_audio
 
     if (reference is None) != (reference_text is None):
         raise click.UsageError("--reference and --reference-text go together")
+    fmt = _output_format(output)
+    _check_cuda(device)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(checkpoint, device=device, dtype=dtype)
     click.echo(f"loaded {checkpoint} on {engine.device} in {time.perf_counter() - t0:.2f} s")
@@ -74,6 +124,6 @@ def synthesize(checkpoint, text, output, reference, reference_text, temperature,
         result = engine.synthesize(text, ref, chunk_length=chunk_length, **sampling)
         audio, frames, seconds, rtf = result.audio, result.frames, result.seconds, result.rtf
     output.parent.mkdir(parents=True, exist_ok=True)
-    sf.write(output, audio, engine.sample_rate)
+    output.write_bytes(encode_audio(audio, engine.sample_rate, fmt)[0])
     click.echo(f"wrote {output}: {seconds:.2f} s of audio, {frames} frames, real-time factor {rtf:.3f}")
 

@@ -1,4 +1,4 @@
-"""Commands on endpoints that exist: status, delete."""
+"""Commands on endpoints that exist: list, status, logs, scale, delete."""
 
 from __future__ import annotations
 
@@ -6,20 +6,45 @@ import json
 
 import click
 
-from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws
+from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws, output_format_option
+
+
+@main.command(name="list")
+@output_format_option
+@aws_options
+@friendly_errors
+def list_(output_format, region, profile, endpoint_url):
+    """List the endpoints fish-sm deployed: name, status, instance type, instances."""
+    from fish_sm.aws.fleet import list_endpoints
+
+    aws = make_aws(region, profile, endpoint_url)
+    endpoints = list_endpoints(aws)
+    if output_format == "json":
+        click.echo(json.dumps({"region": aws.region_name, "endpoints": endpoints}, indent=2))
+        return
+    if not endpoints:
+        click.echo(f"no fish-sm endpoints in {aws.region_name}")
+        return
+    rows = [("NAME", "STATUS", "INSTANCE TYPE", "INSTANCES")] + [
+        (e["name"], e["status"], e["instance_type"] or "-",
+         f"{e['instances']['current']}/{e['instances']['desired']}") for e in endpoints]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
+    for r in rows:
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 @main.command()
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@output_format_option
+@click.option("--json", "as_json", is_flag=True, hidden=True, help="Deprecated: use --output json.")
 @aws_options
 @friendly_errors
-def status(name, as_json, region, profile, endpoint_url):
+def status(name, output_format, as_json, region, profile, endpoint_url):
     """Show endpoint NAME: state, instances, async config, autoscaling, alarms."""
     from fish_sm.aws.status import status as endpoint_status
 
     s = endpoint_status(make_aws(region, profile, endpoint_url), name)
-    if as_json:
+    if as_json or output_format == "json":
         click.echo(json.dumps(s, indent=2))
         return
     click.echo(f"{s['name']}: {s['status']}" + (f" ({s['failure_reason']})" if s["failure_reason"] else ""))
@@ -42,14 +67,61 @@ def status(name, as_json, region, profile, endpoint_url):
 
 @main.command()
 @click.argument("name")
+@click.option("--since", default="10m", show_default=True, help="How far back to start: 90s, 10m, 2h, 1d.")
+@click.option("--tail", type=click.IntRange(min=0), help="Only the last N events of that span.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events until interrupted (Ctrl-C).")
 @aws_options
 @friendly_errors
-def delete(name, region, profile, endpoint_url):
+def logs(name, since, tail, follow, region, profile, endpoint_url):
+    """Print endpoint NAME's container logs (CloudWatch Logs group /aws/sagemaker/Endpoints/NAME),
+    every instance's stream interleaved by time."""
+    import datetime
+
+    from fish_sm.aws.logs import endpoint_logs, parse_since
+
+    events = endpoint_logs(make_aws(region, profile, endpoint_url), name, since_s=parse_since(since), tail=tail,
+                           follow=follow)
+    try:
+        for e in events:
+            when = datetime.datetime.fromtimestamp(e["timestamp"] / 1000, datetime.timezone.utc)
+            click.echo(f"{when:%Y-%m-%dT%H:%M:%S.%f}"[:-3] + f"Z {e.get('logStreamName', '')} "
+                       f"{e['message'].rstrip()}")
+    except KeyboardInterrupt:  # the way out of --follow
+        pass
+
+
+@main.command()
+@click.argument("name")
+@click.option("--instances", type=click.IntRange(min=0), required=True,
+              help="Instances to run now (0 only for async endpoints). Autoscaling limits that exclude it are "
+                   "widened to include it.")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the endpoint is InService again.")
+@click.option("--poll", type=float, default=15.0, show_default=True, help="Seconds between status checks.")
+@aws_options
+@friendly_errors
+def scale(name, instances, wait, poll, region, profile, endpoint_url):
+    """Set endpoint NAME's instance count now (UpdateEndpointWeightsAndCapacities)."""
+    from fish_sm.aws.fleet import scale as scale_endpoint
+
+    s = scale_endpoint(make_aws(region, profile, endpoint_url), name, instances, wait=wait, poll_s=poll,
+                       log=click.echo)
+    inst = s["instances"]
+    click.echo(f"{name}: {s['status']}, {inst['current']} running, {inst['desired']} desired")
+
+
+@main.command()
+@click.argument("name")
+@click.option("--wait/--no-wait", default=False, show_default=True,
+              help="Return once SageMaker has finished deleting the endpoint.")
+@click.option("--poll", type=float, default=15.0, show_default=True, help="With --wait: seconds between checks.")
+@aws_options
+@friendly_errors
+def delete(name, wait, poll, region, profile, endpoint_url):
     """Delete endpoint NAME and its configs, models, autoscaling and alarms (safe to repeat)."""
     from fish_sm.aws.delete import delete as delete_endpoint
 
     aws = make_aws(region, profile, endpoint_url)
-    removed = delete_endpoint(aws, name)
+    removed = delete_endpoint(aws, name, wait=wait, poll_s=poll)
     for line in removed:
         click.echo(line)
     if not removed:

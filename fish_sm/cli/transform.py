@@ -21,7 +21,11 @@ from fish_sm.cli.common import aws_options, friendly_errors, human_size, main, m
 @aws_options
 @friendly_errors
 def transform(name, source, dest, instances, instance_type, wait, download, poll, region, profile, endpoint_url):
-    """Run a Batch Transform job with the model of endpoint (or model) NAME over JSON Lines."""
+    """Run a Batch Transform job with the model of endpoint (or model) NAME over JSON Lines.
+
+    Exits non-zero unless the job completed with a result file for every input (those that
+    came are listed, and downloaded with --download, first)."""
+    from fish_sm.aws import AWSError
     from fish_sm.aws.s3 import S3Uri, download_file, parse_s3_uri
     from fish_sm.aws.transform import run_transform
     from fish_sm.cli.progress import ByteProgress
@@ -45,3 +49,6 @@ def transform(name, source, dest, instances, instance_type, wait, download, poll
             with ByteProgress(f"downloading {Path(uri.key).name}") as bar:
                 line += f" -> {download_file(aws, uri, download / o['Key'][len(out.key):], progress=bar)}"
         click.echo(line)
+    problem = result.problem()
+    if problem:
+        raise AWSError(problem)

@@ -7,6 +7,9 @@ produced per wall second (the capacity figure for TTS), real-time factor, errors
 and requests the server rejected because it was full (503 with Retry-After: counted, not
 retried, as a client that gives up would see it). With streaming, also the time to the
 first audio byte, which is what a listener waits for.
+Every answer must be audio of the format asked for (response.check_audio): anything else is an
+error of kind "not audio". A level passes when the share of its requests that brought no audio
+is within the run's max_error_rate; a percentile over too few samples carries a warning.
 The report (table, JSON, HTML) is fish_sm.clients.report's.
 """
 
@@ -22,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fish_sm.clients.response import ServiceError
-from fish_sm.contract import STREAM_FORMATS
+import fish_sm
+from fish_sm.clients.response import ServiceError, check_audio
+from fish_sm.contract import AUDIO_TYPES, STREAM_FORMATS
 from fish_sm.errors import InputError
 
 # Varied lengths on purpose: TTS latency grows with the audio produced, so a benchmark of one
@@ -94,26 +98,28 @@ class Sample:
     first_audio_s: float | None = None  # streamed requests: time to the first audio byte
 
 
-def _one(target, request: dict, accept: str, concurrency: int, index: int, t0: float) -> Sample:
+def _one(target, request: dict, accept: str, concurrency: int, index: int, t0: float, fmt: str = "wav") -> Sample:
+    """One request; an answer that is not `fmt` audio (check_audio) is an error like any other."""
     start = time.perf_counter()
     chars = len(request.get("text", ""))
     try:
         response = target.send(request, accept)
+        seconds = check_audio(response, fmt, str(target))
     except ServiceError as exc:
         return Sample(concurrency, index, start - t0, time.perf_counter() - start, False, exc.kind, None, chars, str(exc))
     except Exception as exc:  # anything else still counts, by its type, rather than killing the run
         return Sample(concurrency, index, start - t0, time.perf_counter() - start, False, type(exc).__name__, None,
                       chars, str(exc))
-    return Sample(concurrency, index, start - t0, response.latency_s, True, "ok", response.audio_seconds, chars,
+    return Sample(concurrency, index, start - t0, response.latency_s, True, "ok", seconds, chars,
                   first_audio_s=response.first_audio_s)
 
 
 def run_level(target, requests: list[dict], concurrency: int,
-              accept: str = "audio/wav") -> tuple[list[Sample], float]:
+              accept: str = "audio/wav", fmt: str = "wav") -> tuple[list[Sample], float]:
     """Send every request with `concurrency` workers; returns the samples and the wall time."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"bench-c{concurrency}") as pool:
-        futures = [pool.submit(_one, target, r, accept, concurrency, i, t0) for i, r in enumerate(requests)]
+        futures = [pool.submit(_one, target, r, accept, concurrency, i, t0, fmt) for i, r in enumerate(requests)]
         samples = [f.result() for f in futures]
     return samples, time.perf_counter() - t0
 
@@ -124,9 +130,28 @@ def _pct(values, q) -> float | None:
 
 REJECTED = "rejected"  # the kind of a 503 with Retry-After: the server was full
 
+# The fewest samples a percentile needs to rest on more than the largest few: p95 needs 20
+# (one sample in its top 5%), p99 needs 100. Fewer gives a figure with a warning.
+MIN_SAMPLES = {"p95": 20, "p99": 100}
 
-def summarize(samples: list[Sample], wall_s: float, concurrency: int) -> dict:
-    """Figures for one level; latency, first audio and RTF over successful requests only."""
+
+def thin_percentiles(counts: dict[str, int]) -> list[str]:
+    """Warnings such as "p99 from 6 samples", for each figure ("first audio p95": its sample
+    count) whose percentile rests on fewer samples than MIN_SAMPLES asks."""
+    return [f"{figure} from {n} sample{'s' if n != 1 else ''}" for figure, n in counts.items()
+            if 0 < n < MIN_SAMPLES[figure.split()[-1]]]
+
+
+def level_passed(level: dict, max_error_rate: float) -> bool:
+    """Whether a level's failed requests (errors and rejections: every request that brought no
+    audio) are within max_error_rate, a fraction of its requests."""
+    failed = level["requests"] - level["ok"]
+    return failed <= max_error_rate * level["requests"] + 1e-9
+
+
+def summarize(samples: list[Sample], wall_s: float, concurrency: int, max_error_rate: float = 0.0) -> dict:
+    """Figures for one level; latency, first audio and RTF over successful requests only; the
+    error rate (every request without audio, rejections included) and whether it passed."""
     ok = [s for s in samples if s.ok]
     lat = np.array([s.latency_s for s in ok])
     first = np.array([s.first_audio_s for s in ok if s.first_audio_s is not None]) * 1000
@@ -138,11 +163,12 @@ def summarize(samples: list[Sample], wall_s: float, concurrency: int) -> dict:
         if not s.ok and s.kind not in examples:
             examples[s.kind] = s.error
     total_audio = float(sum(audio))
-    return {
+    summary = {
         "concurrency": concurrency,
         "requests": len(samples),
         "ok": len(ok),
         "rejected": sum(1 for s in samples if not s.ok and s.kind == REJECTED),
+        "error_rate": (len(samples) - len(ok)) / len(samples) if samples else 0.0,
         "errors": dict(sorted(errors.items())),
         "error_examples": examples,
         "wall_s": wall_s,
@@ -156,19 +182,30 @@ def summarize(samples: list[Sample], wall_s: float, concurrency: int) -> dict:
         "first_audio_ms": {"p50": _pct(first, 50), "p95": _pct(first, 95),
                            "mean": float(first.mean()) if len(first) else None},
         "rtf": {"p50": _pct(rtf, 50), "p95": _pct(rtf, 95), "mean": float(rtf.mean()) if len(rtf) else None},
+        "warnings": thin_percentiles({"p95": len(lat), "p99": len(lat), "first audio p95": len(first),
+                                      "RTF p95": len(rtf)}),
     }
+    summary["passed"] = level_passed(summary, max_error_rate)
+    return summary
 
 
 def run_bench(target, *, concurrencies: list[int], requests_per_level: int, texts: list[dict],
               base: dict | None = None, accept: str = "audio/wav", warmup: int = 1, stream: bool = False,
+              max_error_rate: float = 0.0, device: str = "unknown", server: dict | None = None,
               log=lambda s: None) -> dict:
     """The whole benchmark: warm-up, then each level in turn; returns the report as plain data.
 
     stream: every request asks for a streamed answer, and each sample records its first audio.
+    Every answer must be audio of the format asked for (base's "format", else accept's).
+    max_error_rate: the fraction of a level's requests that may fail for it to pass.
+    device, server: what the target runs on and what its /ping said, for the report.
     """
     if requests_per_level < 1:
         raise InputError(f"--requests must be at least 1, got {requests_per_level}")
+    if not 0 <= max_error_rate <= 1:
+        raise InputError(f"--max-error-rate is a fraction from 0 to 1, got {max_error_rate:g}")
     base = dict(base or {})
+    fmt = base.get("format") or {mime: f for f, mime in AUDIO_TYPES.items()}.get(accept, "wav")
     if stream:
         fmt = base.get("format", "wav")
         if fmt not in STREAM_FORMATS:
@@ -177,12 +214,12 @@ def run_bench(target, *, concurrencies: list[int], requests_per_level: int, text
     requests = [{**base, **texts[i % len(texts)]} for i in range(requests_per_level)]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for i in range(warmup):  # first requests pay for lazy loading and compilation: not measured
-        s = _one(target, requests[i % len(requests)], accept, 0, i, time.perf_counter())
+        s = _one(target, requests[i % len(requests)], accept, 0, i, time.perf_counter(), fmt)
         log(f"warm-up {i + 1}/{warmup}: {'ok' if s.ok else s.error} in {s.latency_s:.2f} s")
     levels, samples = [], []
     for c in concurrencies:
-        level_samples, wall = run_level(target, requests, c, accept)
-        summary = summarize(level_samples, wall, c)
+        level_samples, wall = run_level(target, requests, c, accept, fmt)
+        summary = summarize(level_samples, wall, c, max_error_rate)
         levels.append(summary)
         samples.extend(level_samples)
         lat, first = summary["latency_s"]["p50"], summary["first_audio_ms"]["p50"]
@@ -191,7 +228,14 @@ def run_bench(target, *, concurrencies: list[int], requests_per_level: int, text
             + (f", first audio p50 {first:.0f} ms" if first is not None else "")
             + (f", {summary['rejected']} rejected (server full)" if summary["rejected"] else ""))
     return {
-        "target": str(target), "started": started, "accept": accept, "stream": stream,
+        "target": str(target), "device": device, "server": server, "fish_sm_version": fish_sm.__version__,
+        "started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "settings": {"concurrency": list(concurrencies), "requests": requests_per_level, "format": fmt,
+                     "stream": stream, "max_new_tokens": base.get("max_new_tokens"), "seed": base.get("seed"),
+                     "voice": base.get("voice"), "max_error_rate": max_error_rate, "warmup": warmup,
+                     "texts": len(texts)},
+        "passed": all(lv["passed"] for lv in levels),
+        "accept": accept, "stream": stream,
         "requests_per_level": requests_per_level, "texts": len(texts), "warmup": warmup, "levels": levels,
         "samples": [asdict(s) for s in samples],
     }

@@ -8,23 +8,73 @@ import time
 import uuid
 
 from fish_sm.aws import AWSError, Log, quiet
-from fish_sm.aws.endpoints import endpoint_config, require_endpoint
+from fish_sm.aws.endpoints import describe_endpoint, endpoint_config, require_endpoint
 from fish_sm.aws.s3 import S3Uri, get_bytes, head_object, parse_s3_uri, put_bytes
 from fish_sm.aws.session import AWS, error_code, error_message
 from fish_sm.clients.response import Response, ServiceError, error_text
 from fish_sm.clients.stream import stream_response
 
 
-class EndpointTarget:
-    """Real-time invoke_endpoint on one endpoint; safe to share across threads."""
+SERVING_STATES = ("InService", "Updating", "SystemUpdating")
+_DENIED = ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "NotAuthorized")
 
-    def __init__(self, aws: AWS, name: str, *, check: bool = True):
+
+def _denied(exc: BaseException) -> bool:
+    return error_code(exc) in _DENIED
+
+
+def endpoint_problem(aws: AWS, name: str) -> str | None:
+    """Why endpoint NAME cannot answer, if DescribeEndpoint says so: it does not exist, or is not
+    in service. None when it looks fine or cannot be described (a role allowed only to invoke)."""
+    try:
+        ep = describe_endpoint(aws, name)
+    except Exception:
+        return None
+    if ep is None:
+        return f"endpoint {name!r} does not exist in {aws.region_name}"
+    if ep["EndpointStatus"] not in SERVING_STATES:
+        reason = ep.get("FailureReason")
+        return f"endpoint {name} is {ep['EndpointStatus']}" + (f": {reason}" if reason else "")
+    return None
+
+
+def endpoint_instances(aws: AWS, name: str) -> str:
+    """What endpoint NAME runs on ("2 x ml.g5.xlarge"), for a benchmark's report; an endpoint that
+    does not exist or is not in service is an error; "unknown" when the role may not describe it."""
+    try:
+        ep = require_endpoint(aws, name)
+    except Exception as exc:
+        if _denied(exc):
+            return "unknown"
+        raise
+    if ep["EndpointStatus"] not in SERVING_STATES:
+        reason = ep.get("FailureReason")
+        raise AWSError(f"endpoint {name} is {ep['EndpointStatus']}" + (f": {reason}" if reason else ""))
+    try:
+        variants = endpoint_config(aws, ep)["ProductionVariants"]
+    except Exception as exc:
+        if _denied(exc):
+            return "unknown"
+        raise
+    live = {v["VariantName"]: v for v in ep.get("ProductionVariants", [])}
+    parts = []
+    for v in variants:
+        if "InstanceType" not in v:
+            parts.append(f"serverless ({v.get('ServerlessConfig', {}).get('MemorySizeInMB', '?')} MB)")
+            continue
+        count = live.get(v["VariantName"], {}).get("CurrentInstanceCount", v.get("InitialInstanceCount"))
+        parts.append(f"{count} x {v['InstanceType']}" if count is not None else v["InstanceType"])
+    return ", ".join(parts) or "unknown"
+
+
+class EndpointTarget:
+    """Real-time invoke_endpoint on one endpoint; safe to share across threads.
+
+    Nothing is described first: a role allowed only to invoke can invoke (endpoint_problem
+    explains a failure afterwards where it may)."""
+
+    def __init__(self, aws: AWS, name: str):
         self.aws, self.name = aws, name
-        if check:
-            ep = require_endpoint(aws, name)
-            if ep["EndpointStatus"] not in ("InService", "Updating", "SystemUpdating"):
-                reason = ep.get("FailureReason")
-                raise AWSError(f"endpoint {name} is {ep['EndpointStatus']}" + (f": {reason}" if reason else ""))
 
     def __str__(self) -> str:
         return f"endpoint {self.name}"
@@ -75,12 +125,20 @@ def _runtime_error(exc: Exception, name: str) -> Exception:
 def invoke_async(aws: AWS, name: str, request: dict, accept: str = "audio/wav", *,
                  input_location: S3Uri | None = None, timeout_s: float = 900, poll_s: float = 5.0,
                  log: Log = quiet) -> Response:
-    """Upload the request, invoke_endpoint_async, and wait for the output or failure object."""
-    ep = require_endpoint(aws, name)
-    async_config = endpoint_config(aws, ep).get("AsyncInferenceConfig")
-    if not async_config:
-        raise AWSError(f"endpoint {name} is real-time; leave out --async")
-    if input_location is None:  # next to the outputs: the endpoint's role can already read that bucket
+    """Upload the request, invoke_endpoint_async, and wait for the output or failure object.
+
+    Without input_location the endpoint's config is read for its output bucket (the endpoint's
+    role can already read that bucket); with it, nothing is described first."""
+    if input_location is None:
+        try:
+            async_config = endpoint_config(aws, require_endpoint(aws, name)).get("AsyncInferenceConfig")
+        except Exception as exc:
+            if _denied(exc):
+                raise AWSError(f"may not describe endpoint {name} to find its output bucket "
+                               f"({error_code(exc)}): give --input-location s3://...") from None
+            raise
+        if not async_config:
+            raise AWSError(f"endpoint {name} is real-time; leave out --async")
         output = parse_s3_uri(async_config["OutputConfig"]["S3OutputPath"], prefix=True)
         input_location = S3Uri(output.bucket, "fish-sm/async-inputs/")
     source = input_location.join(f"{uuid.uuid4().hex}.json")
@@ -97,7 +155,8 @@ def invoke_async(aws: AWS, name: str, request: dict, accept: str = "audio/wav", 
     while True:
         head = head_object(aws, output)
         if head is not None:
-            return Response(get_bytes(aws, output), head.get("ContentType") or accept, time.perf_counter() - t0)
+            return Response(get_bytes(aws, output), head.get("ContentType") or "",
+                            time.perf_counter() - t0)
         if failure is not None and head_object(aws, failure) is not None:
             raise ServiceError(f"endpoint {name} failed the request: {error_text(get_bytes(aws, failure))}",
                                "async failure")

@@ -21,17 +21,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_server(model_dir: Path, *, log_path: Path, startup_timeout_s: float = 600, command: list[str] | None = None):
-    """Run `fish-sm serve MODEL_DIR` on a free port until the block ends (also on errors and Ctrl-C).
+def local_server(model: Path, *, log_path: Path, startup_timeout_s: float = 600, command: list[str] | None = None):
+    """Run `fish-sm serve MODEL` (a directory or model.tar.gz) on a free port until the block ends (also on errors and Ctrl-C).
 
     Yields the base URL once /ping answers; the server's output goes to log_path, whose tail
     is shown if it dies or never becomes ready.
     """
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise InputError(f"--local needs a model directory, not found: {model_dir}")
+    model = Path(model)
+    if not model.exists():
+        raise InputError(f"--local needs a model directory or model.tar.gz, not found: {model}")
     port = free_port()
-    cmd = command or [sys.executable, "-m", "fish_sm.cli", "serve", str(model_dir), "--port", str(port)]
+    cmd = command or [sys.executable, "-m", "fish_sm.cli", "serve", str(model), "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from fish_sm.aws import AWSError
+from fish_sm.clients.bench import MIN_SAMPLES
 
 
 def _fmt(v, spec=".2f") -> str:
@@ -28,19 +29,52 @@ def table_columns(report: dict) -> list[str]:
     return TABLE_COLUMNS[:5] + FIRST_AUDIO_COLUMNS + TABLE_COLUMNS[5:]
 
 
+THIN = "*"  # marks a percentile that rests on too few samples (the level's "warnings" say how few)
+
+
+def _thin(level: dict) -> set[str]:
+    """The figures ("p95", "first audio p95", ...) of a level's too-few-samples warnings."""
+    return {w.rsplit(" from ", 1)[0] for w in level.get("warnings", ())}
+
+
 def table_rows(report: dict) -> list[list[str]]:
     rows = []
     for lv in report["levels"]:
-        lat = lv["latency_s"]
+        lat, thin = lv["latency_s"], _thin(lv)
         errors = ", ".join(f"{k}: {n}" for k, n in lv["errors"].items()) or "-"
         first = lv.get("first_audio_ms") or {}
-        row = [str(lv["concurrency"]), f"{lv['ok']}/{lv['requests']}", _fmt(lat["p50"]), _fmt(lat["p95"]),
-               _fmt(lat["p99"]), _fmt(lv["rps"]), _fmt(lv["audio_seconds_per_wall_second"]),
+
+        def cell(value, figure, spec=".2f"):
+            text = _fmt(value, spec)
+            return text + THIN if figure in thin and value is not None else text
+
+        row = [str(lv["concurrency"]), f"{lv['ok']}/{lv['requests']}", _fmt(lat["p50"]), cell(lat["p95"], "p95"),
+               cell(lat["p99"], "p99"), _fmt(lv["rps"]), _fmt(lv["audio_seconds_per_wall_second"]),
                _fmt(lv["rtf"]["p50"], ".3f"), str(lv.get("rejected", 0)), errors]
         if report.get("stream"):
-            row[5:5] = [_fmt(first.get("p50"), ".0f"), _fmt(first.get("p95"), ".0f")]
+            row[5:5] = [_fmt(first.get("p50"), ".0f"), cell(first.get("p95"), "first audio p95", ".0f")]
         rows.append(row)
     return rows
+
+
+def level_verdict(level: dict, max_error_rate: float) -> str:
+    failed = level["requests"] - level["ok"]
+    return (f"concurrency {level['concurrency']}: {'pass' if level.get('passed', True) else 'FAIL'}: {failed} of "
+            f"{level['requests']} request(s) brought no audio ({level.get('error_rate', 0.0):.0%}; "
+            f"at most {max_error_rate * 100:g}% may)")
+
+
+def verdict_lines(report: dict) -> list[str]:
+    """A pass/fail line per level (failed requests against --max-error-rate), then what the
+    table's marked percentiles rest on."""
+    max_rate = report.get("settings", {}).get("max_error_rate", 0.0)
+    lines = [level_verdict(lv, max_rate) for lv in report["levels"]]
+    thin = [f"concurrency {lv['concurrency']}: {', '.join(lv['warnings'])}" for lv in report["levels"]
+            if lv.get("warnings")]
+    if thin:
+        needs = ", ".join(f"{q} needs {n}" for q, n in MIN_SAMPLES.items())
+        lines.append(f"{THIN} too few samples for the percentile ({needs}): " + "; ".join(thin))
+    return lines
 
 
 def format_table(report: dict) -> str:
@@ -69,7 +103,10 @@ def _png(fig) -> str:
 
 def plots(report: dict) -> dict[str, str]:
     """title -> PNG data URI: latency per concurrency, throughput vs concurrency, latency vs audio length,
-    and for streamed runs the time to first audio vs concurrency."""
+    and for streamed runs the time to first audio vs concurrency. None when no request brought
+    audio (there is nothing to draw); a level without audio is labelled failed on each axis."""
+    if not any(s["ok"] for s in report["samples"]):
+        return {}
     try:
         import matplotlib
     except ImportError:
@@ -88,7 +125,11 @@ def plots(report: dict) -> dict[str, str]:
     rng = np.random.default_rng(0)
     for i, values in enumerate(data, 1):
         ax.scatter(i + rng.uniform(-0.15, 0.15, len(values)), values, s=8, alpha=0.5)
-    ax.set_xticks(range(1, len(conc) + 1), [str(c) for c in conc])
+    labels = [str(c) if by_level[c] else f"{c}\n(failed)" for c in conc]
+    ax.set_xticks(range(1, len(conc) + 1), labels)
+    for i, c in enumerate(conc, 1):
+        if not by_level[c]:
+            ax.annotate("no audio", xy=(i, 0.5), xycoords=("data", "axes fraction"), ha="center", color="tab:red")
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("latency (s)")
     ax.set_title("Latency distribution per concurrency")
@@ -105,7 +146,7 @@ def plots(report: dict) -> dict[str, str]:
     ax2.set_ylabel("audio seconds per wall second")
     if len(conc) > 1 and max(conc) / min(conc) >= 8:
         ax.set_xscale("log", base=2)
-    ax.set_xticks(conc, [str(c) for c in conc])
+    ax.set_xticks(conc, labels)
     ax.set_ylim(bottom=0)
     ax2.set_ylim(bottom=0)
     ax.set_title("Throughput against concurrency")
@@ -133,7 +174,7 @@ def plots(report: dict) -> dict[str, str]:
             ax.plot(conc, [np.nan if v is None else v for v in values], style, label=f"first audio {q}")
         if len(conc) > 1 and max(conc) / min(conc) >= 8:
             ax.set_xscale("log", base=2)
-        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.set_xticks(conc, labels)
         ax.set_ylim(bottom=0)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel("time to first audio (ms)")
@@ -144,24 +185,52 @@ def plots(report: dict) -> dict[str, str]:
     return out
 
 
+def _verdict(report: dict) -> str:
+    failed = [lv for lv in report["levels"] if not lv.get("passed", True)]
+    if not failed:
+        return "PASS: every level within the error rate allowed"
+    return "FAIL: " + ", ".join(f"concurrency {lv['concurrency']}" for lv in failed) + " over the error rate allowed"
+
+
 def write_html(report: dict, path: Path) -> Path:
-    """A self-contained page: the table, the plots as <img> data URIs, and the error examples."""
+    """A self-contained page (nothing fetched from the network): what was measured on what, the
+    verdict and a pass/fail line per level, the table, the plots as <img> data URIs, and the
+    error examples. A run without any audio has no plots, and says so."""
     images = plots(report)
     esc = html.escape
-    head = "".join(f"<th>{esc(c)}</th>" for c in table_columns(report))
-    body = "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in table_rows(report))
+    settings = report.get("settings", {})
+    head = "".join(f"<th>{esc(c)}</th>" for c in table_columns(report)) + "<th>result</th>"
+    body = "".join(
+        f'<tr class="{"pass" if lv.get("passed", True) else "fail"}">'
+        + "".join(f"<td>{esc(cell)}</td>" for cell in row)
+        + f"<td>{'pass' if lv.get('passed', True) else 'FAIL'}</td></tr>"
+        for lv, row in zip(report["levels"], table_rows(report)))
     figs = "".join(f'<h2>{esc(t)}</h2>\n<img alt="{esc(t)}" src="{uri}">\n' for t, uri in images.items())
+    if not images:
+        figs = "<h2>Plots</h2>\n<p class=\"fail\">No request brought audio: nothing to plot.</p>\n"
     errors = "".join(f"<li>concurrency {lv['concurrency']}, {esc(kind)}: {esc(str(msg))}</li>"
                      for lv in report["levels"] for kind, msg in lv["error_examples"].items())
-    streamed = (", streamed: 1st p50/p95 ms is the time to the first audio byte"
+    verdicts = "".join(f'<li class="{"pass" if lv.get("passed", True) else "fail"}">'
+                       f'{esc(level_verdict(lv, settings.get("max_error_rate", 0.0)))}</li>' for lv in report["levels"])
+    notes = "".join(f"<p>{esc(line)}</p>" for line in verdict_lines(report)[len(report["levels"]):])
+    about = "".join(f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>" for k, v in (
+        ("target", report["target"]), ("device", report.get("device", "unknown")),
+        ("fish-sm", report.get("fish_sm_version", "unknown")),
+        ("started", f"{report['started']} UTC"), ("finished", f"{report.get('finished', '-')} UTC"),
+        *((k.replace("_", " "), "-" if v is None else v) for k, v in settings.items()),
+        ("accept", report["accept"])))
+    streamed = ("<p>Streamed: 1st p50/p95 ms is the time to the first audio byte.</p>"
                 if report.get("stream") else "")
+    overall = _verdict(report)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>fish-sm bench: {esc(report['target'])}</title>
 <style>body{{font-family:sans-serif;max-width:960px;margin:2em auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:100%}}</style></head>
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:100%}}
+.pass{{color:#1a7f37}}.fail{{color:#b42318;font-weight:bold}}tr.pass{{color:inherit}}</style></head>
 <body><h1>fish-sm bench</h1>
-<p>Target: {esc(report['target'])}<br>Started: {esc(report['started'])} UTC<br>
-{report['requests_per_level']} requests per level over {report['texts']} texts, {report['warmup']} warm-up, Accept {esc(report['accept'])}{streamed}</p>
+<p class="{'pass' if report.get('passed', True) else 'fail'}" id="verdict">{esc(overall)}</p>
+<table>{about}</table>
+<h2>Levels</h2><ul>{verdicts}</ul>{notes}{streamed}
 <table><tr>{head}</tr>{body}</table>
 {figs}<h2>Errors and rejections</h2><ul>{errors or '<li>none</li>'}</ul>
 </body></html>

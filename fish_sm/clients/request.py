@@ -13,13 +13,25 @@ _SUFFIX_FORMATS = {**{f: f for f in AUDIO_TYPES}, "raw": "pcm"}
 
 
 def format_for(output: Path | None, fmt: str | None) -> str:
-    """--format, else the output file's extension (.raw is PCM), else wav."""
-    if fmt:
-        if fmt not in AUDIO_TYPES:
-            raise InputError(f"--format must be one of {', '.join(AUDIO_TYPES)}, got {fmt!r}")
-        return fmt
+    """--format, else the output file's extension (.raw is PCM), else (no output named) wav.
+
+    An extension that names no audio format is refused unless --format says what to write, and
+    one that names another format than --format is refused: the file would lie about its bytes."""
+    if fmt is not None and fmt not in AUDIO_TYPES:
+        raise InputError(f"--format must be one of {', '.join(AUDIO_TYPES)}, got {fmt!r}")
     suffix = Path(output).suffix.lower().lstrip(".") if output else ""
-    return _SUFFIX_FORMATS.get(suffix, "wav")
+    named = _SUFFIX_FORMATS.get(suffix)
+    if fmt:
+        if named and named != fmt:
+            raise InputError(f"-o {output} names {named} audio but --format is {fmt}: make them agree")
+        return fmt
+    if named:
+        return named
+    if output is None:
+        return "wav"
+    extensions = ", ".join(f".{s}" for s in _SUFFIX_FORMATS)
+    raise InputError(f"-o {output}: {f'.{suffix}' if suffix else 'a name without an extension'} names no audio "
+                     f"format; use {extensions}, or give --format {'|'.join(AUDIO_TYPES)}")
 
 
 def check_stream(fmt: str, *, is_async: bool = False, sample_rate: int | None = None) -> None:

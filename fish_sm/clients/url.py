@@ -36,6 +36,23 @@ def ping(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def server_info(url: str, timeout_s: float = 5.0) -> tuple[str, dict | None]:
+    """(device, /ping's JSON) for a benchmark's report: the device is what the server says
+    ("device" or "devices" in /ping's answer), else "unknown"; the JSON is None when /ping
+    answers none."""
+    try:
+        with urllib.request.urlopen(base_url(url) + "/ping", timeout=timeout_s) as r:
+            doc = json.loads(r.read(64 * 1024))
+    except (OSError, ValueError, http.client.HTTPException):
+        return "unknown", None
+    if not isinstance(doc, dict):
+        return "unknown", None
+    device = doc.get("device") or doc.get("devices")
+    if isinstance(device, list):
+        device = ", ".join(map(str, device))
+    return (str(device) if device else "unknown"), doc
+
+
 class UrlTarget:
     """POST /invocations on a server speaking the SageMaker container contract."""
 

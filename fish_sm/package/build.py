@@ -2,6 +2,7 @@
 
     config.json model.pth codec.pth tokenizer.tiktoken special_tokens.json   the checkpoint, unchanged
     code/inference.py code/requirements.txt code/fish_sm/                  for the stock PyTorch container
+    code/lib/                                                              its dependencies, vendored (instead of requirements.txt)
     voices/<id>/                                                           precomputed reference voices
     compile_cache/                                                         kernels from an earlier start
     manifest.json                                                          versions, voices, sha256 of every file
@@ -72,8 +73,13 @@ def sha256(path: Path, progress: Progress | None = None) -> str:
 
 
 def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tuple[Path, str]] | None = None,
-                      compile_cache: Path | None = None, progress: Progress | None = None) -> dict:
-    """Validate `checkpoint_dir`, then write the package layout into `out_dir`; returns the manifest."""
+                      compile_cache: Path | None = None, progress: Progress | None = None,
+                      vendor_wheels: list[Path] | None = None) -> dict:
+    """Validate `checkpoint_dir`, then write the package layout into `out_dir`; returns the manifest.
+
+    With `vendor_wheels` (see package/vendor.py) the stock container's dependencies are unpacked
+    into code/lib/ and no code/requirements.txt is written, so the container fetches nothing at start.
+    """
     import torch
 
     from fish_sm.engine.engine import Engine
@@ -101,7 +107,13 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
     code = out_dir / "code"
     code.mkdir(exist_ok=True)
     shutil.copyfile(ENTRY_POINT, code / "inference.py")
-    shutil.copyfile(STOCK_REQUIREMENTS, code / "requirements.txt")
+    vendored = None
+    if vendor_wheels is None:
+        shutil.copyfile(STOCK_REQUIREMENTS, code / "requirements.txt")
+    else:
+        from fish_sm.package.vendor import LIB_DIR, unpack_wheels
+
+        vendored = unpack_wheels(vendor_wheels, code / LIB_DIR)
     shutil.copytree(PACKAGE_ROOT, code / "fish_sm", dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     voice_meta = {}
     if voices:
@@ -120,6 +132,7 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
         "checkpoint": summary,
         "voices": voice_meta,
         "compile_cache": cache_info,
+        "vendored": vendored,
         "files": {str(p.relative_to(out_dir)): {"size": p.stat().st_size, "sha256": sha256(p, progress)} for p in files},
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

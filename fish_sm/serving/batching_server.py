@@ -27,9 +27,9 @@ from aiohttp import web
 from fish_sm.engine.batching import BatchEngine, EngineStopped, Job, Overloaded
 from fish_sm.engine.engine import freeze_start_up_objects
 from fish_sm.contract import SamplingParams
-from fish_sm.errors import InputError
+from fish_sm.errors import FishSMError, InputError
 from fish_sm.serving import audio as audio_out
-from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
+from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error, start_up_failure
 from fish_sm.serving.runtime import (Prediction, ServerConfig, ServingModel, WARMUP_TEXT, check_model_dir,
                                      encode_prediction, load_model, resolve_reference)
 from fish_sm.serving.http import Limits, application, error_response, listening, read_body
@@ -112,8 +112,9 @@ class BatchingApp:
             freeze_start_up_objects()
             self.workers = workers
         except Exception as exc:
-            logger.exception("start-up failed")
-            self.failed = f"{type(exc).__name__}: {exc}"
+            self.failed, expected = start_up_failure(exc)
+            if not expected:
+                logger.exception("start-up failed")  # a bug: its traceback belongs in the log
             self.stopping.set()  # a server that cannot serve exits, so the platform sees it fail
 
     async def stop(self, app: web.Application) -> None:
@@ -341,7 +342,10 @@ def serve(cfg: ServerConfig) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = make_app(cfg.model_dir, settings)
     asyncio.run(_run(app, cfg))
-    return 1 if app["server"].failed else 0
+    if app["server"].failed:
+        # Raised once the server is down, so the one line is the last; the CLI prints it.
+        raise FishSMError(app["server"].failed)
+    return 0
 
 
 async def _run(app: web.Application, cfg: ServerConfig) -> None:

@@ -49,3 +49,19 @@ def engine_error(exc: Exception) -> HTTPError:
         return HTTPError(503, str(exc))
     logger.error("request failed: %r", exc)
     return HTTPError(500, f"internal error: {type(exc).__name__}")
+
+
+def start_up_failure(exc: BaseException) -> tuple[str, bool]:
+    """A server's start-up failure in one line, and whether it is one its user can act on (a
+    bad file or setting, too little memory), whose traceback would only bury the message;
+    anything else is a bug, whose traceback belongs in the log."""
+    import torch
+
+    from fish_sm.errors import FishSMError
+
+    if isinstance(exc, FishSMError):
+        message = str(exc)
+    else:
+        message = f"{type(exc).__name__}: {exc}"
+    expected = isinstance(exc, (FishSMError, OSError, ValueError, MemoryError, torch.cuda.OutOfMemoryError))
+    return " ".join(message.split()), expected

@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from dataclasses import dataclass
 from http import HTTPStatus
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from fish_sm.errors import ConfigError
 from fish_sm.serving.errors import HTTPError
 
 PAYLOAD_LIMIT = 100 * 1024 * 1024  # bytes, each way: an hour of 44.1 kHz 16-bit WAV is 318 MB, so ~15 min
@@ -138,10 +140,13 @@ def application(limits: Limits) -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def listening(app: web.Application, host: str, port: int, *, handler_cancellation: bool = False):
-    """Serve `app` on host:port with guarded connections until the block exits."""
+async def listening(app: web.Application, host: str, port: int, *, handler_cancellation: bool = False,
+                    sock: socket.socket | None = None):
+    """Serve `app` on host:port (or on `sock`, from `bind`) with guarded connections until the
+    block exits. The port is bound before the app starts, so a port in use stops the server
+    before it loads anything."""
+    sock = sock or bind(host, port)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=handler_cancellation)
-    await runner.setup()
     loop = asyncio.get_running_loop()
     header_timeout = app[LIMITS].header_timeout
 
@@ -151,9 +156,34 @@ async def listening(app: web.Application, host: str, port: int, *, handler_cance
         return GuardedProtocol(runner.server, loop=loop, access_log=None, header_timeout=header_timeout,
                                lingering_time=0)
 
-    server = await loop.create_server(protocol, host, port, reuse_address=True)
+    try:
+        await runner.setup()
+        server = await loop.create_server(protocol, sock=sock)
+    except BaseException:
+        sock.close()
+        await runner.cleanup()
+        raise
     try:
         yield server
     finally:
         server.close()
         await runner.cleanup()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (SO_REUSEADDR, as aiohttp sets it); ConfigError in one line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {(exc.strerror or str(exc)).lower()}") from None
+    sock.setblocking(False)
+    return sock

@@ -118,12 +118,19 @@ def test_bench_url_reports_figures_errors_and_plots(server_url, tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(TEXTS[:4]) + "\n\n" + json.dumps({"text": TEXTS[4], "temperature": 0.5}) + "\n")
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["bench", "--url", server_url, "--concurrency", "3,1", "--requests", "10",
-                                       "--texts", str(texts), "--warmup", "1", "--seed", "7", "-o", str(out)])
+    args = ["bench", "--url", server_url, "--concurrency", "3,1", "--requests", "10", "--texts", str(texts),
+            "--warmup", "1", "--seed", "7", "-o", str(out)]
+    result = CliRunner().invoke(main, [*args, "--max-error-rate", "0.4"])  # 4 of each level's 10 fail
     assert result.exit_code == 0, result.output
     assert "p50 s" in result.output and "audio s/s" in result.output and "HTTP 500: 2" in result.output
+    assert "concurrency 3: pass: 4 of 10 request(s) brought no audio (40%; at most 40% may)" in result.output
 
     report = json.loads((out / "bench.json").read_text())
+    assert report["passed"] is True and report["target"] == server_url and report["device"] == "unknown"
+    assert report["settings"] == {"concurrency": [1, 3], "requests": 10, "format": "wav", "stream": False,
+                                  "max_new_tokens": None, "seed": 7, "voice": None, "max_error_rate": 0.4,
+                                  "warmup": 1, "texts": 5}
+    assert report["fish_sm_version"] and report["started"] <= report["finished"]
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 3]
     good = [t for t in TEXTS if "fail" not in t]
     # 10 requests cycle over 5 texts: each text twice per level.
@@ -150,6 +157,13 @@ def test_bench_url_reports_figures_errors_and_plots(server_url, tmp_path):
     first = page.split('src="data:image/png;base64,')[1].split('"')[0]
     assert base64.b64decode(first)[:8] == b"\x89PNG\r\n\x1a\n"
     assert "refused: bad fail400 request" in page
+    assert '<li class="pass">concurrency 1: pass: 4 of 10' in page and 'id="verdict">PASS' in page
+
+    result = CliRunner().invoke(main, args)  # the default --max-error-rate is 0
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip().splitlines()[-1].startswith(
+        "Error: 2 of 2 level(s) over --max-error-rate 0: concurrency 1 4/10 failed, concurrency 3 4/10 failed; e.g. ")
+    assert json.loads((out / "bench.json").read_text())["passed"] is False
 
 
 def test_invoke_url_writes_audio_and_reports_server_errors(server_url, tmp_path):
@@ -166,6 +180,15 @@ def test_invoke_url_writes_audio_and_reports_server_errors(server_url, tmp_path)
     assert accept == "audio/wav" and body["seed"] == 3 and body["temperature"] == 0.7
     assert base64.b64decode(body["reference"]["audio"]) == ref.read_bytes()
     assert body["reference"]["text"] == "The reference."
+
+    # The text as an argument, and one JSON object on stdout for a script.
+    result = CliRunner().invoke(main, ["invoke", "--url", server_url, "Said plainly.", "-o", str(tmp_path / "p.wav"),
+                                       "--output", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["output"] == str(tmp_path / "p.wav") and doc["target"] == server_url and doc["bytes"] == len(
+        wav_for("Said plainly.")) and doc["audio_seconds"] == pytest.approx(int(13 * SECONDS_PER_CHAR * RATE) / RATE)
+    assert Handler.requests[-1][0]["text"] == "Said plainly."
 
     result = CliRunner().invoke(main, ["invoke", "--url", server_url, "--text", "x fail400 y", "-o", str(tmp_path / "e.ogg")])
     assert result.exit_code == 1 and "Traceback" not in result.output
@@ -214,7 +237,7 @@ def test_summarize_first_audio_and_rejections():
     assert s["first_audio_ms"]["p95"] == pytest.approx(np.percentile([100, 200, 300, 400], 95))
     assert s["error_examples"] == {"rejected": "full; retry after 1 s"}
     row, = table_rows({"stream": True, "levels": [s]})
-    assert row[5:7] == ["250", "385"] and row[-2:] == ["1", "-"]
+    assert row[5:7] == ["250", "385*"] and row[-2:] == ["1", "-"]  # *: p95 of 4 samples
 
 
 def test_bench_input_checks(tmp_path):
@@ -317,7 +340,8 @@ def test_full_server_503_with_retry_after_is_counted_as_rejected(server_url, tmp
     texts.write_text("Short one.\nbusy503 please\nfail503 loading\n")
     out = tmp_path / "report"
     result = CliRunner().invoke(main, ["bench", "--url", server_url, "--concurrency", "1,2", "--requests", "6",
-                                       "--texts", str(texts), "--warmup", "0", "-o", str(out)])
+                                       "--texts", str(texts), "--warmup", "0", "-o", str(out),
+                                       "--max-error-rate", "0.7"])  # 2 rejected and 2 errors of 6
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     for lv in report["levels"]:

@@ -2,6 +2,7 @@
 the blue/green update with auto-rollback, a rolled-back update, and the stock container's image lookup."""
 
 import datetime
+import hashlib
 import io
 import sys
 import types
@@ -14,13 +15,14 @@ from botocore.stub import ANY, Stubber
 from fish_sm.aws import AWSError
 from fish_sm.aws import deploy as d
 from fish_sm.aws.autoscaling import (DEFAULT_TARGETS, DIMENSION, default_target, make_autoscaling, policy_request,
-                                     wake_alarm_request, wake_policy_request)
-from fish_sm.aws.container import container_environment, gpu_count, stock_image_uri
+                                     wake_alarm_request, wake_policy_request, with_target)
+from fish_sm.aws.container import container_environment, stock_image_uri
 from fish_sm.aws.deploy_request import DeployRequest
 from fish_sm.aws.endpoints import wait_endpoint
 from fish_sm.aws.s3 import parse_s3_uri
 from fish_sm.aws.session import AWS
 from fish_sm.errors import InputError
+from package_bytes import package_tarball
 
 NAME = "tts"
 STAMP = "20250102030405678"
@@ -29,8 +31,16 @@ OLD = f"{NAME}-20240101000000000"
 RID = f"endpoint/{NAME}/variant/AllTraffic"
 ROLE = "arn:aws:iam::123456789012:role/fish-sm"
 NOW = datetime.datetime(2025, 1, 2, tzinfo=datetime.timezone.utc)
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/fish-sm:0.1"
+GPU_AMI = "al2023-ami-sagemaker-inference-gpu-4-1"
 POLICY_ARN = ("arn:aws:autoscaling:us-east-1:123456789012:scalingPolicy:11111111-2222-3333-4444-555555555555:"
               f"resource/sagemaker/{RID}:policyName/fish-sm-concurrency")
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    """(model.tar.gz bytes, manifest.json bytes) of a small fish-sm package."""
+    return package_tarball(tmp_path_factory.mktemp("package"))
 
 
 @pytest.fixture
@@ -41,7 +51,7 @@ def stubbed(monkeypatch):
     aws = AWS(region="us-east-1")
     aws._session = session
     stubs = {}
-    for service in ("sagemaker", "s3", "application-autoscaling", "cloudwatch"):
+    for service in ("sagemaker", "s3", "application-autoscaling", "cloudwatch", "ec2", "ecr"):
         c = session.client(service)
         aws._clients[service] = c
         stubs[service] = Stubber(c)
@@ -62,40 +72,54 @@ def endpoint(status, config, reason=None):
 
 def request(**overrides):
     scaling = make_autoscaling(instances=1, min_instances=None, max_instances=4, target=None, metric="concurrency",
-                               is_async=False, scale_to_zero=False, instance_type="ml.g6e.2xlarge",
-                               env={"FISH_SM_QUANTIZE": "int8"})
+                               is_async=False, scale_to_zero=False)
     fields = dict(name=NAME, model_data=parse_s3_uri("s3://models/tts/model.tar.gz"), role=ROLE,
-                  instance_type="ml.g6e.2xlarge", image="123456789012.dkr.ecr.us-east-1.amazonaws.com/fish-sm:0.1",
+                  instance_type="ml.g6e.2xlarge", image=IMAGE,
                   env={"FISH_SM_QUANTIZE": "int8"}, autoscaling=scaling, bake_seconds=600, rollback_errors=3)
     fields.update(overrides)
     return DeployRequest(**fields)
 
 
-def expect_update_start(stubs, old_instance_type, refuse_update=False):
-    sm, s3, aa, cw = (stubs[k] for k in ("sagemaker", "s3", "application-autoscaling", "cloudwatch"))
+def expect_checks(stubs, package, *, ec2_type="g6e.2xlarge", gpus=1):
+    """The reads deploy makes before creating anything: the instance type, the ECR image, the package."""
+    stubs["ec2"].add_response("describe_instance_types", {"InstanceTypes": [
+        {"InstanceType": ec2_type, **({"GpuInfo": {"Gpus": [{"Name": "L40S", "Manufacturer": "NVIDIA", "Count": gpus,
+                                                             "MemoryInfo": {"SizeInMiB": 45776}}]}} if gpus else {})}]},
+        {"InstanceTypes": [ec2_type]})
+    stubs["ecr"].add_response("describe_images", {"imageDetails": [
+        {"registryId": "123456789012", "repositoryName": "fish-sm", "imageDigest": "sha256:" + "c" * 64,
+         "imageTags": ["0.1"]}]},
+        {"registryId": "123456789012", "repositoryName": "fish-sm", "imageIds": [{"imageTag": "0.1"}]})
+    tarball = package[0]
+    stubs["s3"].add_response("head_object", {"ContentLength": len(tarball)}, {"Bucket": "models", "Key": "tts/model.tar.gz"})
+    stubs["s3"].add_response("get_object", {"Body": StreamingBody(io.BytesIO(tarball), len(tarball)),
+                                            "ContentLength": len(tarball),
+                                            "ContentRange": f"bytes 0-{len(tarball) - 1}/{len(tarball)}"},
+                             {"Bucket": "models", "Key": "tts/model.tar.gz", "Range": "bytes=0-65535"})
+
+
+def expect_update_start(stubs, package, old_instance_type, refuse_update=False):
+    sm, aa, cw = (stubs[k] for k in ("sagemaker", "application-autoscaling", "cloudwatch"))
     sm.add_response("describe_endpoint", endpoint("InService", OLD), {"EndpointName": NAME})
-    s3.add_response("head_object", {"ContentLength": 7}, {"Bucket": "models", "Key": "tts/model.tar.gz"})
-    # Not a fish-sm tarball, so no FISH_SM_MANIFEST_SHA256 is pinned (tests/aws/test_package_trust_aws.py pins one).
-    s3.add_response("get_object", {"Body": StreamingBody(io.BytesIO(b"tarball"), 7), "ContentLength": 7,
-                                   "ContentRange": "bytes 0-6/7"},
-                    {"Bucket": "models", "Key": "tts/model.tar.gz", "Range": "bytes=0-65535"})
+    expect_checks(stubs, package)
     sm.add_response("create_model", {"ModelArn": f"arn:aws:sagemaker:us-east-1:123456789012:model/{NEW}"}, {
         "ModelName": NEW, "ExecutionRoleArn": ROLE,
-        "PrimaryContainer": {"Image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/fish-sm:0.1",
-                             "ModelDataUrl": "s3://models/tts/model.tar.gz",
-                             "Environment": {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20", "FISH_SM_QUANTIZE": "int8"}},
+        "PrimaryContainer": {"Image": IMAGE, "ModelDataUrl": "s3://models/tts/model.tar.gz",
+                             "Environment": {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20", "FISH_SM_QUANTIZE": "int8",
+                                             "FISH_SM_MANIFEST_SHA256": hashlib.sha256(package[1]).hexdigest()}},
         "Tags": [{"Key": "fish-sm:endpoint", "Value": NAME}]})
     sm.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:123456789012:endpoint-config/x"}, {
         "EndpointConfigName": NEW, "Tags": [{"Key": "fish-sm:endpoint", "Value": NAME}],
         "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": NEW, "InitialInstanceCount": 1,
                                 "InstanceType": "ml.g6e.2xlarge", "ContainerStartupHealthCheckTimeoutInSeconds": 1800,
-                                "ModelDataDownloadTimeoutInSeconds": 1800,
+                                "ModelDataDownloadTimeoutInSeconds": 1800, "InferenceAmiVersion": GPU_AMI,
                                 "RoutingConfig": {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}}]})
     cw.add_response("put_metric_alarm", {}, {
         "AlarmName": "fish-sm/tts/invocation-5xx", "AlarmDescription": ANY, "Namespace": "AWS/SageMaker",
         "MetricName": "Invocation5XXErrors", "Statistic": "Sum", "Period": 60, "EvaluationPeriods": 1,
         "Threshold": 3.0, "ComparisonOperator": "GreaterThanOrEqualToThreshold", "TreatMissingData": "notBreaching",
-        "Dimensions": [{"Name": "EndpointName", "Value": NAME}, {"Name": "VariantName", "Value": "AllTraffic"}]})
+        "Dimensions": [{"Name": "EndpointName", "Value": NAME}, {"Name": "VariantName", "Value": "AllTraffic"}],
+        "Tags": [{"Key": "fish-sm:endpoint", "Value": NAME}]})
     sm.add_response("describe_endpoint_config", {
         "EndpointConfigName": OLD, "EndpointConfigArn": "arn:aws:sagemaker:us-east-1:123456789012:endpoint-config/old",
         "CreationTime": NOW, "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": OLD,
@@ -130,13 +154,14 @@ def expect_update_start(stubs, old_instance_type, refuse_update=False):
     return policy, policies_query
 
 
-def test_update_is_blue_green_with_rollback_alarm_and_reattaches_autoscaling(stubbed):
+def test_update_is_blue_green_with_rollback_alarm_and_reattaches_autoscaling(stubbed, package):
     aws, stubs = stubbed
     sm, aa, cw = stubs["sagemaker"], stubs["application-autoscaling"], stubs["cloudwatch"]
-    policy, policies_query = expect_update_start(stubs, old_instance_type="ml.g5.2xlarge")
+    policy, policies_query = expect_update_start(stubs, package, old_instance_type="ml.g5.2xlarge")
     sm.add_response("describe_endpoint", endpoint("Updating", OLD), {"EndpointName": NAME})
     sm.add_response("describe_endpoint", endpoint("InService", NEW), {"EndpointName": NAME})
-    aa.add_response("register_scalable_target", {}, {**policies_query, "MinCapacity": 1, "MaxCapacity": 4})
+    aa.add_response("register_scalable_target", {}, {**policies_query, "MinCapacity": 1, "MaxCapacity": 4,
+                                                     "Tags": {"fish-sm:endpoint": NAME}})
     aa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN, "Alarms": []}, {
         "PolicyName": "fish-sm-concurrency", **policies_query, "PolicyType": "TargetTrackingScaling",
         "TargetTrackingScalingPolicyConfiguration": {
@@ -151,15 +176,15 @@ def test_update_is_blue_green_with_rollback_alarm_and_reattaches_autoscaling(stu
     assert any("blue/green" in line and "invocation-5xx" in line for line in lines)
     assert any("removed scalable target" in line and "instance type changes from ml.g5.2xlarge" in line for line in lines)
     assert [line for line in lines if "] tts:" in line] == ["[00:00] tts: Updating", "[00:00] tts: InService"]
-    assert lines[0] == ("autoscaling target: 32 concurrent requests per instance "
-                        "(50% of the batching server's 64 slots: 1 GPU x FISH_SM_MAX_BATCH 64)")
+    assert ("autoscaling target: 32 concurrent requests per instance "
+            "(50% of the batching server's 64 slots: 1 GPU x FISH_SM_MAX_BATCH 64)") in lines
     for s in stubs.values():
         s.assert_no_pending_responses()
 
 
-def test_rolled_back_update_is_a_failure(stubbed):
+def test_rolled_back_update_is_a_failure(stubbed, package):
     aws, stubs = stubbed
-    expect_update_start(stubs, old_instance_type="ml.g6e.2xlarge")
+    expect_update_start(stubs, package, old_instance_type="ml.g6e.2xlarge")
     sm = stubs["sagemaker"]
     sm.add_response("describe_endpoint", endpoint("RollingBack", OLD), {"EndpointName": NAME})
     sm.add_response("describe_endpoint", endpoint("InService", OLD, reason="Alarm fish-sm/tts/invocation-5xx fired"),
@@ -171,10 +196,10 @@ def test_rolled_back_update_is_a_failure(stubbed):
         s.assert_no_pending_responses()
 
 
-def test_failed_update_api_call_removes_the_new_model_and_config(stubbed):
+def test_failed_update_api_call_removes_the_new_model_and_config(stubbed, package):
     aws, stubs = stubbed
     sm = stubs["sagemaker"]
-    expect_update_start(stubs, old_instance_type="ml.g6e.2xlarge", refuse_update=True)
+    expect_update_start(stubs, package, old_instance_type="ml.g6e.2xlarge", refuse_update=True)
     sm.add_response("delete_endpoint_config", {}, {"EndpointConfigName": NEW})
     sm.add_response("delete_model", {}, {"ModelName": NEW})
     with pytest.raises(Exception, match="Cannot update in-progress endpoint"):
@@ -220,25 +245,20 @@ def test_stock_container_without_the_sdk_asks_for_image(monkeypatch):
 
 
 def test_stock_container_environment():
-    env = container_environment({"SAGEMAKER_TS_MAX_WORKERS": "2", "FISH_SM_WARMUP": "0"}, stock_container=True,
-                                instance_type="ml.p5.48xlarge")
+    env = container_environment({"SAGEMAKER_TS_MAX_WORKERS": "2", "FISH_SM_WARMUP": "0"}, stock_container=True, gpus=8)
     assert env["SAGEMAKER_TS_MIN_WORKERS"] == "8" and env["SAGEMAKER_TS_MAX_WORKERS"] == "2"  # the user's value wins
     assert env["FISH_SM_WARMUP"] == "0" and env["SAGEMAKER_PROGRAM"] == "inference.py"
-    notes = []
-    env = container_environment({}, stock_container=True, instance_type="ml.g7.xlarge", log=notes.append)
-    assert env["SAGEMAKER_TS_MIN_WORKERS"] == "1" and "not in fish-sm's GPU table" in notes[0]
-    assert container_environment({}, stock_container=False, instance_type="ml.g5.xlarge") == \
-        {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20"}
-    assert [gpu_count(t)[0] for t in ("ml.g4dn.xlarge", "ml.g5.12xlarge", "ml.g6.48xlarge", "ml.g6e.24xlarge",
-                                         "ml.p4d.24xlarge")] == [1, 4, 8, 4, 8]
+    env = container_environment({}, stock_container=True, gpus=0)  # a CPU type: one worker
+    assert env["SAGEMAKER_TS_MIN_WORKERS"] == env["SAGEMAKER_TS_MAX_WORKERS"] == "1"
+    assert container_environment({}, stock_container=False, gpus=1) == {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20"}
 
 
 def test_async_scale_to_zero_requests_match_the_service_models():
     """The async policies and alarms, validated against the real application-autoscaling and cloudwatch models."""
     session = boto3.Session(aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
     aa, cw = session.client("application-autoscaling"), session.client("cloudwatch")
-    scaling = make_autoscaling(instances=1, min_instances=None, max_instances=5, target=None, metric="concurrency",
-                               is_async=True, scale_to_zero=True, instance_type="ml.g6e.2xlarge")
+    scaling = with_target(make_autoscaling(instances=1, min_instances=None, max_instances=5, target=None,
+                                           metric="concurrency", is_async=True, scale_to_zero=True), gpus=1)
     assert (scaling.min, scaling.max, scaling.metric, scaling.target) == (0, 5, "backlog", 2.0)
     with Stubber(aa) as sa, Stubber(cw) as sc:
         sa.add_response("put_scaling_policy", {"PolicyARN": POLICY_ARN}, policy_request(NAME, scaling))
@@ -249,22 +269,22 @@ def test_async_scale_to_zero_requests_match_the_service_models():
         cw.put_metric_alarm(**wake_alarm_request(NAME, POLICY_ARN))
 
 
-def test_default_targets_by_server_and_instance():
-    def target(instance_type, **kwargs):
+def test_default_targets_by_server_and_gpus():
+    def target(gpus, **kwargs):
         scaling = make_autoscaling(instances=1, min_instances=None, max_instances=2, target=kwargs.pop("target", None),
                                    metric=kwargs.pop("metric", "concurrency"), is_async=kwargs.pop("is_async", False),
-                                   scale_to_zero=False, instance_type=instance_type, **kwargs)
-        return scaling.target
+                                   scale_to_zero=False)
+        return with_target(scaling, gpus=gpus, **kwargs).target
 
-    assert target("ml.g5.12xlarge") == 4 * 64 * 0.5 == 128
-    assert target("ml.g5.xlarge") == 32 and target("ml.p5.48xlarge") == 8 * 64 * 0.5
-    assert target("ml.g5.12xlarge", env={"FISH_SM_MAX_BATCH": "16"}) == 32
-    assert target("ml.g5.12xlarge", stock_container=True) == DEFAULT_TARGETS["concurrency"] == 2.0
-    assert target("ml.g5.12xlarge", env={"FISH_SM_SERVER": "MMS"}) == 2.0
-    assert target("ml.g5.12xlarge", target=7) == 7.0
-    assert target("ml.g5.12xlarge", metric="invocations") == 60.0  # depends on text length, not slots
-    assert target("ml.g5.12xlarge", is_async=True) == 2.0  # async: backlog per instance
-    value, why = default_target("concurrency", instance_type="ml.g7.xlarge")
-    assert value == 32 and "not in fish-sm's GPU table, counted as 1 GPU" in why
-    with pytest.raises(InputError, match="FISH_SM_MAX_BATCH='0' must be a whole number"):
-        target("ml.g5.xlarge", env={"FISH_SM_MAX_BATCH": "0"})
+    assert target(4) == 4 * 64 * 0.5 == 128
+    assert target(1) == 32 and target(8) == 8 * 64 * 0.5
+    assert target(4, env={"FISH_SM_MAX_BATCH": "16"}) == 32
+    assert target(4, stock_container=True) == DEFAULT_TARGETS["concurrency"] == 2.0
+    assert target(4, env={"FISH_SM_SERVER": "MMS"}) == 2.0
+    assert target(4, target=7) == 7.0
+    assert target(4, metric="invocations") == 60.0  # depends on text length, not slots
+    assert target(4, is_async=True) == 2.0  # async: backlog per instance
+    value, why = default_target("concurrency", gpus=0)  # a CPU type runs one engine
+    assert value == 32 and "1 CPU engine x FISH_SM_MAX_BATCH 64" in why
+    with pytest.raises(InputError, match="--env: FISH_SM_MAX_BATCH must be at least 1"):
+        target(1, env={"FISH_SM_MAX_BATCH": "0"})

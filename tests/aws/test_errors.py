@@ -8,6 +8,7 @@ import boto3
 from botocore.config import Config
 
 from moto_helpers import moto_server
+from package_bytes import package_tarball
 from fish_sm.cli import main
 
 ROLE = "arn:aws:iam::123456789012:role/fish-sm-test"
@@ -18,7 +19,8 @@ def moto_url(tmp_path_factory):
     with moto_server(tmp_path_factory) as url:
         s3 = boto3.client("s3", endpoint_url=url, config=Config(s3={"addressing_style": "path"}))
         s3.create_bucket(Bucket="fish-sm-errors")
-        s3.put_object(Bucket="fish-sm-errors", Key="model.tar.gz", Body=b"x")
+        s3.put_object(Bucket="fish-sm-errors", Key="model.tar.gz",
+                      Body=package_tarball(tmp_path_factory.mktemp("package"))[0])
         yield url
 
 
@@ -46,7 +48,7 @@ def test_bad_s3_uris(moto_url, tmp_path):
     fails([*DEPLOY[:3], "https://example.com/model.tar.gz", *DEPLOY[4:], *ep], "--model-data must look like s3://")
     fails([*DEPLOY[:3], "s3://fish-sm-errors/models/", *DEPLOY[4:], *ep], "must name an object")
     fails([*DEPLOY[:3], "s3://fish-sm-errors/missing.tar.gz", *DEPLOY[4:], *ep], "does not exist")
-    fails([*DEPLOY, "--async", "--output", "fish-sm-errors/out", *ep], "--output must look like s3://")
+    fails([*DEPLOY, "--async", "--async-output", "fish-sm-errors/out", *ep], "--async-output must look like s3://")
     fails(["transform", "tts", "--input", "s3:/x", "--output", "s3://fish-sm-errors/o/", *ep], "--input must look like")
     pkg = tmp_path / "pkg"
     (pkg / "code").mkdir(parents=True)
@@ -66,11 +68,12 @@ def test_bad_deploy_options(moto_url):
     fails(["deploy", "tts", "--model-data", "s3://fish-sm-errors/model.tar.gz", "--role", ROLE, *ep],
           "--image URI", "--stock-container")
     fails([*DEPLOY, "--scale-to-zero", *ep], "only apply with --async")
-    fails([*DEPLOY, "--async", *ep], "--async needs --output")
+    fails([*DEPLOY, "--async", *ep], "--async needs --async-output")
     fails([*DEPLOY, "--max", "0", *ep], "--max (0) must be at least")
     fails([*DEPLOY, "--target", "3", *ep], "autoscaling needs --max")
     fails([*DEPLOY, "--max", "3", "--no-wait", *ep], "leave out --no-wait")
-    fails([*DEPLOY, "--async", "--output", "s3://fish-sm-errors/o/", "--sns-success", "topic", *ep], "SNS topic ARN")
+    fails([*DEPLOY, "--async", "--async-output", "s3://fish-sm-errors/o/", "--sns-success", "topic", *ep],
+          "SNS topic ARN")
     fails(["deploy", "bad_name", *DEPLOY[2:], *ep], "endpoint name 'bad_name'")
     fails(["deploy", "x" * 50, *DEPLOY[2:], *ep], "at most 45")
 

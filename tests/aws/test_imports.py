@@ -42,8 +42,9 @@ def test_clients_contract_and_the_cli_group_import_no_torch_and_no_boto3():
 
 def test_help_lists_the_aws_commands():
     result = CliRunner().invoke(main, ["--help"])
-    for command in ("package", "deploy", "invoke", "bench", "transform", "status", "delete"):
+    commands = ("package", "deploy", "invoke", "bench", "transform", "list", "status", "logs", "scale", "delete")
+    for command in commands:
         assert f"  {command} " in result.output
-    for command in ("package", "deploy", "invoke", "bench", "transform", "status", "delete"):
+    for command in commands:
         result = CliRunner().invoke(main, [command, "--help"])
         assert result.exit_code == 0 and "--region" in result.output and "--endpoint-url" in result.output

@@ -7,7 +7,6 @@ describe calls, not only with what the command printed.
 
 import hashlib
 import json
-import os
 import urllib.request
 
 import boto3
@@ -17,18 +16,48 @@ from click.testing import CliRunner
 
 from fish_sm.cli import main
 from moto_helpers import moto_server
+from package_bytes import make_package_dir, package_tarball
 
 ROLE = "arn:aws:iam::123456789012:role/fish-sm-test"
 BUCKET = "fish-sm-test"
+DLC = "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-inference:2.6-gpu-py312"
+GPU_AMI = "al2023-ami-sagemaker-inference-gpu-4-1"
 SNS_OK = "arn:aws:sns:us-east-1:123456789012:tts-done"
 SNS_ERR = "arn:aws:sns:us-east-1:123456789012:tts-failed"
 
 
 @pytest.fixture(scope="module")
 def moto_url(tmp_path_factory):
-    """A moto server on a free port, with dummy credentials and nothing from ~/.aws."""
+    """A moto server on a free port, with dummy credentials and nothing from ~/.aws; the stock
+    PyTorch image in AWS's ECR account, as deploy looks it up."""
     with moto_server(tmp_path_factory) as url:
+        push_image(url, DLC)
         yield url
+        # moto keeps one state per process, which the next module's server shares: leave none behind.
+        boto3.client("ecr", endpoint_url=url, region_name="us-east-1").delete_repository(
+            registryId="763104351884", repositoryName="pytorch-inference", force=True)
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    """(model.tar.gz bytes, manifest.json bytes) of a small fish-sm package."""
+    return package_tarball(tmp_path_factory.mktemp("package"))
+
+
+def push_image(url, uri):
+    """An image at `uri` (ACCOUNT.dkr.ecr.REGION.amazonaws.com/REPO:TAG) in moto's ECR."""
+    registry, _, rest = uri.partition("/")
+    repo, _, tag = rest.partition(":")
+    account, region = registry.split(".")[0], registry.split(".")[3]
+    ecr = boto3.client("ecr", endpoint_url=url, region_name=region)
+    try:
+        ecr.create_repository(registryId=account, repositoryName=repo)
+    except ecr.exceptions.RepositoryAlreadyExistsException:
+        pass
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": 2,
+                           "digest": "sha256:" + hashlib.sha256(uri.encode()).hexdigest()}, "layers": []}
+    ecr.put_image(registryId=account, repositoryName=repo, imageManifest=json.dumps(manifest), imageTag=tag)
 
 
 def client(url, service):
@@ -46,19 +75,6 @@ def cli(url, *args, ok=True):
         lines = result.output.strip().splitlines()
         assert lines[-1].startswith("Error: "), result.output
     return result.output
-
-
-def make_package_dir(root, weight_bytes):
-    """A hand-made directory in the package layout (manifest.json + code/ mark it as built)."""
-    files = {"config.json": b"{}", "model.pth": os.urandom(weight_bytes), "codec.pth": b"\x02" * 100,
-             "tokenizer.tiktoken": b"", "special_tokens.json": b"{}", "code/inference.py": b"# handler\n",
-             "code/requirements.txt": b"", "voices/alice/transcript.txt": b"Hi."}
-    for rel, data in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
-    listed = {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in files.items()}
-    (root / "manifest.json").write_text(json.dumps({"files": listed}))
-    return root
 
 
 def test_package_and_multipart_upload(moto_url, tmp_path):
@@ -89,17 +105,17 @@ def _variant(sm, config_name):
     return sm.describe_endpoint_config(EndpointConfigName=config_name)["ProductionVariants"][0]
 
 
-def test_deploy_status_invoke_transform_delete(moto_url, tmp_path):
+def test_deploy_status_invoke_transform_delete(moto_url, package, tmp_path):
     s3, sm = client(moto_url, "s3"), client(moto_url, "sagemaker")
     aa, cw = client(moto_url, "application-autoscaling"), client(moto_url, "cloudwatch")
     s3.create_bucket(Bucket="fish-sm-flow")
-    s3.put_object(Bucket="fish-sm-flow", Key="m/model.tar.gz", Body=b"tarball")
+    s3.put_object(Bucket="fish-sm-flow", Key="m/model.tar.gz", Body=package[0])
     model_data = "s3://fish-sm-flow/m/model.tar.gz"
 
     # Real-time, our own image, autoscaling on concurrency.
     printed = cli(moto_url, "deploy", "tts-rt", "--model-data", model_data, "--role", ROLE, "--image", "123.dkr/fish-sm:1",
                   "--instance-type", "ml.g4dn.xlarge", "--instances", 2, "--max", 4, "--target", 3,
-                  "--env", "FISH_SM_COMPILE=1", "--env", "FISH_SM_DEFAULT_VOICE=alice", "--poll", 0.01)
+                  "--env", "FISH_SM_COMPILE=true", "--env", "FISH_SM_DEFAULT_VOICE=alice", "--poll", 0.01)
     assert "InService" in printed and "endpoint tts-rt created" in printed
     ep = sm.describe_endpoint(EndpointName="tts-rt")
     assert ep["EndpointStatus"] == "InService" and ep["EndpointConfigName"].startswith("tts-rt-")
@@ -108,10 +124,12 @@ def test_deploy_status_invoke_transform_delete(moto_url, tmp_path):
     assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 1800
     assert variant["ModelDataDownloadTimeoutInSeconds"] == 1800
     assert variant["RoutingConfig"] == {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}
+    assert variant["InferenceAmiVersion"] == GPU_AMI  # a GPU type: the driver-580 host image by default
     container = sm.describe_model(ModelName=variant["ModelName"])["PrimaryContainer"]
     assert container["Image"] == "123.dkr/fish-sm:1" and container["ModelDataUrl"] == model_data
-    assert container["Environment"] == {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20", "FISH_SM_COMPILE": "1",
-                                        "FISH_SM_DEFAULT_VOICE": "alice"}
+    assert container["Environment"] == {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20", "FISH_SM_COMPILE": "true",
+                                        "FISH_SM_DEFAULT_VOICE": "alice",
+                                        "FISH_SM_MANIFEST_SHA256": hashlib.sha256(package[1]).hexdigest()}
     rid = "endpoint/tts-rt/variant/AllTraffic"
     target, = aa.describe_scalable_targets(ServiceNamespace="sagemaker", ResourceIds=[rid])["ScalableTargets"]
     assert (target["MinCapacity"], target["MaxCapacity"]) == (2, 4)
@@ -126,8 +144,8 @@ def test_deploy_status_invoke_transform_delete(moto_url, tmp_path):
 
     # Async on the stock container, scale to zero, SNS topics.
     printed = cli(moto_url, "deploy", "tts-async", "--model-data", model_data, "--role", ROLE, "--stock-container",
-                  "--image", "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-inference:2.6-gpu-py312",
-                  "--instance-type", "ml.g4dn.12xlarge", "--async", "--output", "s3://fish-sm-flow/async/out/",
+                  "--image", DLC,
+                  "--instance-type", "ml.g4dn.12xlarge", "--async", "--async-output", "s3://fish-sm-flow/async/out/",
                   "--sns-success", SNS_OK, "--sns-error", SNS_ERR, "--max-concurrent", 2, "--scale-to-zero",
                   "--max", 3, "--poll", 0.01)
     assert "has-backlog-without-capacity" in printed
@@ -159,7 +177,8 @@ def test_deploy_status_invoke_transform_delete(moto_url, tmp_path):
     # status, as text and JSON.
     printed = cli(moto_url, "status", "tts-rt")
     assert "tts-rt: InService" in printed and "autoscaling 2-4 instances" in printed and "invocation-5xx" in printed
-    s = json.loads(cli(moto_url, "status", "tts-async", "--json"))
+    s = json.loads(cli(moto_url, "status", "tts-async", "--output", "json"))
+    assert json.loads(cli(moto_url, "status", "tts-async", "--json")) == s  # the hidden, deprecated spelling
     assert s["status"] == "InService" and s["instance_type"] == "ml.g4dn.12xlarge"
     assert s["async"]["output"] == "s3://fish-sm-flow/async/out/" and s["async"]["max_concurrent"] == 2
     assert s["autoscaling"]["min"] == 0 and {p["name"] for p in s["autoscaling"]["policies"]} == \
@@ -176,13 +195,13 @@ def test_deploy_status_invoke_transform_delete(moto_url, tmp_path):
     queue("endpoint-results", [{"Body": "RIFF-fake-wav", "ContentType": "audio/wav",
                                 "InvokedProductionVariant": "AllTraffic", "CustomAttributes": ""}])
     out = tmp_path / "rt.wav"
-    printed = cli(moto_url, "invoke", "tts-rt", "--text", "Hello.", "-o", out, "--seed", 1)
-    assert out.read_bytes() == b"RIFF-fake-wav" and "audio/wav" in printed
+    printed = cli(moto_url, "invoke", "tts-rt", "--text", "Hello.", "-o", out, "--seed", 1, ok=False)
+    assert not out.exists() and "audio/wav, 13 B, starting b'RIFF-fake-wav'" in printed  # not audio: nothing written
     queue("async-endpoint-results", [{"data": "async audio bytes"},
                                      {"is_failure": True, "data": '{"error": "text is too long"}'}])
     out = tmp_path / "async.flac"
-    cli(moto_url, "invoke", "tts-async", "--async", "--text", "Hello.", "-o", out, "--poll", 0.01)
-    assert out.read_bytes() == b"async audio bytes"
+    printed = cli(moto_url, "invoke", "tts-async", "--async", "--text", "Hello.", "-o", out, "--poll", 0.01, ok=False)
+    assert not out.exists() and "starting b'async audio bytes'" in printed
     uploaded = s3.list_objects_v2(Bucket="fish-sm-flow", Prefix="fish-sm/async-inputs/")["Contents"]
     request = json.loads(s3.get_object(Bucket="fish-sm-flow", Key=uploaded[0]["Key"])["Body"].read())
     assert request == {"text": "Hello.", "format": "flac"}
@@ -225,16 +244,18 @@ def test_deploy_status_invoke_transform_delete(moto_url, tmp_path):
     assert printed.startswith("nothing to delete: no endpoint tts-rt")
 
 
-def test_redeploy_replaces_autoscaling_and_delete_leaves_other_endpoints(moto_url):
+def test_redeploy_replaces_autoscaling_and_delete_leaves_other_endpoints(moto_url, package):
     """A second endpoint whose name extends the first's is not touched by the first's delete."""
     s3, sm = client(moto_url, "s3"), client(moto_url, "sagemaker")
     aa = client(moto_url, "application-autoscaling")
     s3.create_bucket(Bucket="fish-sm-two")
-    s3.put_object(Bucket="fish-sm-two", Key="model.tar.gz", Body=b"x")
+    s3.put_object(Bucket="fish-sm-two", Key="model.tar.gz", Body=package[0])
     common = ["--model-data", "s3://fish-sm-two/model.tar.gz", "--role", ROLE, "--image", "img",
               "--instance-type", "ml.m5.xlarge", "--poll", 0.01]
     cli(moto_url, "deploy", "voice", *common, "--max", 2, "--metric", "invocations")
     cli(moto_url, "deploy", "voice-2", *common)
+    config = sm.describe_endpoint(EndpointName="voice")["EndpointConfigName"]
+    assert "InferenceAmiVersion" not in _variant(sm, config)  # a CPU type: no GPU host image
     policy, = aa.describe_scaling_policies(ServiceNamespace="sagemaker",
                                            ResourceId="endpoint/voice/variant/AllTraffic")["ScalingPolicies"]
     assert policy["TargetTrackingScalingPolicyConfiguration"] == {
@@ -249,15 +270,15 @@ def test_redeploy_replaces_autoscaling_and_delete_leaves_other_endpoints(moto_ur
     assert sm.list_models()["Models"] == []
 
 
-def test_default_concurrency_target_follows_the_server(moto_url):
-    """Our image (batching server): half of FISH_SM_MAX_BATCH x GPUs; the one-request-per-GPU servers: the old 2."""
+def test_default_concurrency_target_follows_the_server(moto_url, package):
+    """Our image (batching server): half of FISH_SM_MAX_BATCH x GPUs (EC2's count); the one-request-per-GPU servers: 2."""
     s3, aa = client(moto_url, "s3"), client(moto_url, "application-autoscaling")
     s3.create_bucket(Bucket="fish-sm-targets")
-    s3.put_object(Bucket="fish-sm-targets", Key="model.tar.gz", Body=b"x")
+    s3.put_object(Bucket="fish-sm-targets", Key="model.tar.gz", Body=package[0])
     common = ["--model-data", "s3://fish-sm-targets/model.tar.gz", "--role", ROLE, "--instance-type", "ml.g4dn.12xlarge",
               "--max", 3, "--poll", 0.01]
     image = ["--image", "123.dkr/fish-sm:1"]
-    stock = ["--stock-container", "--image", "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-inference:2.6-gpu-py312"]
+    stock = ["--stock-container", "--image", DLC]
     cases = [
         ("batching", [*image], 128.0, "(50% of the batching server's 256 slots: 4 GPUs x FISH_SM_MAX_BATCH 64)"),
         ("batch-32", [*image, "--env", "FISH_SM_MAX_BATCH=32"], 64.0, "128 slots: 4 GPUs x FISH_SM_MAX_BATCH 32"),
@@ -274,4 +295,4 @@ def test_default_concurrency_target_follows_the_server(moto_url):
         assert policy["TargetTrackingScalingPolicyConfiguration"]["TargetValue"] == value, name
         cli(moto_url, "delete", name)
     printed = cli(moto_url, "deploy", "bad-batch", *common, *image, "--env", "FISH_SM_MAX_BATCH=lots", ok=False)
-    assert printed.strip().splitlines()[-1] == "Error: --env FISH_SM_MAX_BATCH='lots' must be a whole number of at least 1"
+    assert printed.strip().splitlines()[-1] == "Error: --env: FISH_SM_MAX_BATCH='lots' is not a valid int"

@@ -157,8 +157,8 @@ def test_package_command_builds_through_build_package_dir(tmp_path, monkeypatch)
     """The command's wiring to the serving side: parsed voices and the cache go to build_package_dir."""
     calls = []
 
-    def build_package_dir(checkpoint_dir, out_dir, voices, compile_cache=None, progress=None):
-        calls.append((checkpoint_dir, out_dir, voices, compile_cache))
+    def build_package_dir(checkpoint_dir, out_dir, voices, compile_cache=None, progress=None, vendor_wheels=None):
+        calls.append((checkpoint_dir, out_dir, voices, compile_cache, vendor_wheels))
         progress("hashing model.pth", 10, 10)  # below the size that earns a bar: silent
         make_package_dir(out_dir)
         return {"files": {}}
@@ -176,8 +176,9 @@ def test_package_command_builds_through_build_package_dir(tmp_path, monkeypatch)
     result = CliRunner().invoke(main, ["package", str(ckpt), "-o", str(out), "--voice", f"alice={audio}:Hi there.",
                                        "--compile-cache", str(cache)])
     assert result.exit_code == 0, result.output
-    (got_ckpt, got_out, got_voices, got_cache), = calls
+    (got_ckpt, got_out, got_voices, got_cache, got_wheels), = calls
     assert got_ckpt == ckpt and got_voices == {"alice": (audio, "Hi there.")} and got_cache == cache
+    assert got_wheels is None  # no --stock-container: the package keeps code/requirements.txt
     assert got_out.parent.parent == out.parent  # built next to the output, then removed
     assert not got_out.exists() and sorted(p.name for p in out.parent.iterdir()) == ["model.tar.gz"]
     assert "voices: alice" in result.output
@@ -280,3 +281,115 @@ def test_file_progress_shows_a_bar_only_for_large_files(capsys):
         progress("hashing codec.pth", 50, 200)  # left open: closed by the with block
     err = capsys.readouterr().err
     assert "hashing model.pth" in err and "hashing codec.pth" in err and "inference.py" not in err
+
+
+def test_stock_wheels_pins_satisfy_the_stock_requirements():
+    """The vendored pins and code/requirements.txt (the unvendored path) describe one dependency set."""
+    from packaging.requirements import Requirement
+
+    from fish_sm.package.build import STOCK_REQUIREMENTS
+    from fish_sm.package.vendor import STOCK_WHEELS
+
+    ranges = {r.name: r.specifier for r in map(Requirement, _requirement_lines(STOCK_REQUIREMENTS.read_text()))}
+    pins = {r.name: next(iter(r.specifier)).version for r in map(Requirement, STOCK_WHEELS)}
+    assert all(str(next(iter(Requirement(p).specifier))).startswith("==") for p in STOCK_WHEELS)
+    for name, version in pins.items():
+        assert name not in ranges or ranges[name].contains(version), (name, version, ranges[name])
+    # numpy is the image's own; click only the CLI imports (the stock container test hides it).
+    assert set(ranges) - set(pins) == {"numpy", "click"}
+
+
+def _requirement_lines(text: str) -> list[str]:
+    return [ln.split("#")[0].strip() for ln in text.splitlines() if ln.split("#")[0].strip()]
+
+
+def _wheel(path: Path, members: dict[str, bytes]) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def test_unpack_wheels_installs_libraries_and_refuses_escapes(tmp_path):
+    from fish_sm.package.vendor import unpack_wheels
+
+    wheel = _wheel(tmp_path / "demo-1.0-py3-none-any.whl", {
+        "demo/__init__.py": b"VALUE = 1\n",
+        "demo/__pycache__/__init__.cpython-311.pyc": b"\x00",
+        "demo-1.0.dist-info/METADATA": b"Name: demo\nVersion: 1.0\n",
+        "demo-1.0.data/platlib/_demo_native.py": b"NATIVE = 2\n",
+        "demo-1.0.data/scripts/demo-cli": b"#!/bin/sh\n",
+    })
+    lib = tmp_path / "lib"
+    assert unpack_wheels([wheel], lib) == [wheel.name]
+    assert sorted(str(p.relative_to(lib)) for p in lib.rglob("*") if p.is_file()) == [
+        "_demo_native.py", "demo-1.0.dist-info/METADATA", "demo/__init__.py"]
+    evil = _wheel(tmp_path / "evil-1.0-py3-none-any.whl", {"../outside.py": b"x = 1\n"})
+    with pytest.raises(InputError, match="outside code/lib"):
+        unpack_wheels([evil], tmp_path / "lib2")
+    assert not (tmp_path / "outside.py").exists()
+
+
+def test_package_stock_container_option_errors_are_one_line(tmp_path):
+    src = make_package_dir(tmp_path / "pkg")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    cases = [
+        (["package", str(ckpt), "--wheels", str(wheels)], 2, "--wheels applies only with --stock-container"),
+        (["package", str(src), "--stock-container"], 2, "--stock-container apply only when packaging a checkpoint"),
+        (["package", str(ckpt), "--stock-container", "--wheels", str(wheels)], 1, "no wheel for soundfile=="),
+    ]
+    for args, code, message in cases:
+        result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "out" / "m.tar.gz")])
+        assert result.exit_code == code and "Traceback" not in result.output, result.output
+        assert message in result.output, result.output
+        if code == 1:
+            line, = result.output.strip().splitlines()
+            assert line.startswith("Error:"), line
+    assert not (tmp_path / "out" / "m.tar.gz").exists()
+
+
+@pytest.fixture(scope="module")
+def local_wheels(tmp_path_factory):
+    """The pinned wheels for this machine's Python and platform, from pip's configured index."""
+    from fish_sm.package.vendor import download_wheels
+
+    path = tmp_path_factory.mktemp("wheels")
+    download_wheels(path, python_version="{}.{}".format(*sys.version_info[:2]), platform=None)
+    return path
+
+
+@pytest.mark.integration
+def test_package_stock_container_vendors_the_wheels(tiny_ckpt, local_wheels, tmp_path):
+    out = tmp_path / "model.tar.gz"
+    result = CliRunner().invoke(main, ["package", str(tiny_ckpt), "-o", str(out), "--stock-container",
+                                       "--wheels", str(local_wheels)])
+    assert result.exit_code == 0, result.output
+    assert "vendored for the stock container: 4 wheels" in result.output
+    with tarfile.open(out) as tar:
+        names = set(tar.getnames())
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+        assert "code/requirements.txt" not in names and "code/inference.py" in names
+        lib = {n for n in names if n.startswith("code/lib/") and tar.getmember(n).isfile()}
+        assert {"code/lib/soundfile.py", "code/lib/tiktoken/core.py", "code/lib/regex/__init__.py",
+                "code/lib/torchao/__init__.py"} <= lib
+        assert lib <= set(manifest["files"])
+        for rel in sorted(lib)[:50]:
+            assert hashlib.sha256(tar.extractfile(rel).read()).hexdigest() == manifest["files"][rel]["sha256"], rel
+    assert len(manifest["vendored"]) == 4
+
+
+@pytest.mark.integration
+def test_package_stock_container_without_an_index_is_one_line(tiny_ckpt, tmp_path):
+    """Downloading needs an index; without one the command says so, and how to give wheels instead."""
+    out = tmp_path / "model.tar.gz"
+    env = {"PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": ""}
+    result = CliRunner().invoke(main, ["package", str(tiny_ckpt), "-o", str(out), "--stock-container"], env=env)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("Error: pip download of the stock container's wheels failed") and "--wheels DIR" in line
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -34,6 +34,9 @@ def moto_url(tmp_path_factory):
     with moto_server(tmp_path_factory) as url:
         s3(url).create_bucket(Bucket=BUCKET)
         yield url
+        # moto keeps one state per process, which the next module's server shares: leave none behind.
+        for name in ("trust-pinned", "trust-given"):
+            CliRunner().invoke(main, ["delete", name, "--endpoint-url", url])
 
 
 def s3(url):
@@ -84,20 +87,30 @@ def test_deploy_pins_the_manifest_of_the_uploaded_tarball(tiny_model, moto_url, 
     assert env["FISH_SM_MANIFEST_SHA256"] == sha(manifest)
     assert verify_package(tiny_model, env["FISH_SM_MANIFEST_SHA256"])  # what the container then accepts
 
-    # The user's --env wins, as every --env does: the object is not even read for it.
-    other = "ab" * 32
+    # A pin given with --env is checked against the package: the same one is kept as given...
     printed = cli(moto_url, "deploy", "trust-given", "--model-data", uri, *DEPLOY,
-                  "--env", f"FISH_SM_MANIFEST_SHA256={other}")
-    assert "pinned" not in printed and environment(moto_url, "trust-given")["FISH_SM_MANIFEST_SHA256"] == other
+                  "--env", f"FISH_SM_MANIFEST_SHA256={sha(manifest)}")
+    assert "pinned" not in printed and environment(moto_url, "trust-given")["FISH_SM_MANIFEST_SHA256"] == sha(manifest)
+    # ...another, which the container would refuse to serve, is an error before anything is made.
+    other = "ab" * 32
+    printed = cli(moto_url, "deploy", "trust-wrong", "--model-data", uri, *DEPLOY,
+                  "--env", f"FISH_SM_MANIFEST_SHA256={other}", ok=False)
+    assert printed.strip().splitlines()[-1] == (
+        f"Error: --env FISH_SM_MANIFEST_SHA256={other} does not match the manifest.json of {uri} ({sha(manifest)}); "
+        "the container would refuse to serve it")
+    sm = boto3.client("sagemaker", endpoint_url=moto_url, region_name="us-east-1")
+    assert not [m for m in sm.list_models()["Models"] if m["ModelName"].startswith("trust-wrong")]
 
 
-def test_deploy_of_another_tarball_notes_that_it_cannot_pin(moto_url):
+def test_deploy_of_another_tarball_is_refused(moto_url):
     put(moto_url, "other/model.tar.gz", gzip.compress(b"not a tar archive at all" * 40))
-    printed = cli(moto_url, "deploy", "trust-other", "--model-data", f"s3://{BUCKET}/other/model.tar.gz", *DEPLOY)
-    notes = [line for line in printed.splitlines() if "cannot be pinned" in line]
-    assert notes == ["note: the package's manifest cannot be pinned (FISH_SM_MANIFEST_SHA256 not set): it does not "
-                     "start with manifest.json (not made by `fish-sm package`)"]
-    assert "FISH_SM_MANIFEST_SHA256" not in environment(moto_url, "trust-other")
+    printed = cli(moto_url, "deploy", "trust-other", "--model-data", f"s3://{BUCKET}/other/model.tar.gz", *DEPLOY,
+                  ok=False)
+    assert printed.strip().splitlines()[-1] == (
+        f"Error: --model-data s3://{BUCKET}/other/model.tar.gz has no manifest.json as its first entry (or is not a "
+        "tar archive); make it with `fish-sm package`")
+    sm = boto3.client("sagemaker", endpoint_url=moto_url, region_name="us-east-1")
+    assert not [e for e in sm.list_endpoints()["Endpoints"] if e["EndpointName"] == "trust-other"]
 
 
 def environment(url, name):

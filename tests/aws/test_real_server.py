@@ -34,6 +34,9 @@ def test_bench_local_starts_measures_and_stops_the_server(tiny_model, tmp_path):
     url = result.output.split("serving at ")[1].split()[0]
     assert not ping(url)  # stopped when the benchmark ended
     report = json.loads((out / "bench.json").read_text())
+    assert report["target"] == f"local {tiny_model} (served at {url})" and report["passed"] is True
+    assert report["server"]["status"] == "Healthy" and report["device"] == "unknown"  # /ping names no device
+    assert report["levels"][0]["warnings"][:2] == ["p95 from 4 samples", "p99 from 4 samples"]
     for level in report["levels"]:
         assert level["ok"] == level["requests"] == 4 and level["errors"] == {}
         assert level["audio_seconds"] > 0 and level["audio_seconds_per_wall_second"] > 0

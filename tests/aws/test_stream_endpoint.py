@@ -1,16 +1,19 @@
-"""invoke --stream and bench --stream on an endpoint: InvokeEndpointWithResponseStream over real HTTP.
+"""invoke and bench on an endpoint over real HTTP: InvokeEndpointWithResponseStream (--stream) and
+InvokeEndpoint, also for a role that may invoke but not describe.
 
 moto has no InvokeEndpointWithResponseStream, and botocore's Stubber cannot return its event
 stream (it checks the response's Body against the model as a plain structure). So a small
 stand-in for SageMaker's runtime speaks the operation's wire format — AWS event-stream
 frames of PayloadPart events, or ModelStreamError / ModelError — relaying a real `fish-sm
 serve` of the tiny package as SageMaker relays a container, and passes every other call
-(DescribeEndpoint) on to moto. botocore serializes the request and parses the events with
-the real service model.
+(DescribeEndpoint) on to moto. It relays InvokeEndpoint to the same server too (moto would
+answer with a canned body). botocore serializes the request and parses the events with the
+real service model.
 """
 
 import binascii
 import http.client
+import io
 import json
 import re
 import struct
@@ -71,30 +74,75 @@ class Runtime(BaseHTTPRequestHandler):
     calls: list = []
     break_after: int | None = None  # parts relayed before a ModelStreamError
     reject = False  # answer as SageMaker does when the container says 503 (full)
+    deny_describe = False  # a role allowed to invoke only: SageMaker's Describe* calls are refused
+    control_calls: list = []  # the X-Amz-Target of each call passed on to moto
 
     def log_message(self, *args):
         pass
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        match = re.fullmatch(r"/endpoints/([^/]+)/invocations-response-stream", urlsplit(self.path).path)
+        path = urlsplit(self.path).path
+        match = re.fullmatch(r"/endpoints/([^/]+)/invocations-response-stream", path)
+        whole = re.fullmatch(r"/endpoints/([^/]+)/invocations", path)
         if match:
             self.relay(match.group(1), body)
+        elif whole:
+            self.relay_whole(whole.group(1), body)
         else:
+            target = self.headers.get("X-Amz-Target", "")
+            if target:
+                Runtime.control_calls.append(target)
+            if Runtime.deny_describe and target.startswith("SageMaker.Describe"):
+                return self.answer(400, "AccessDeniedException", {
+                    "__type": "AccessDeniedException",
+                    "Message": f"User is not authorized to perform: sagemaker:{target.split('.')[-1]}"})
             self.forward(body)
+
+    def relay_whole(self, name: str, body: bytes):
+        """InvokeEndpoint: the container's answer, with its content type, as SageMaker relays it."""
+        accept = self.headers.get("Accept", "*/*")
+        Runtime.calls.append({"name": name, "accept": accept, "content_type": self.headers["Content-Type"],
+                              "body": json.loads(body)})
+        req = urllib.request.Request(Runtime.container + "/invocations", data=body, method="POST",
+                                     headers={"Content-Type": self.headers["Content-Type"], "Accept": accept})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as upstream:
+                data, content_type = upstream.read(), upstream.headers["Content-Type"]
+        except urllib.error.HTTPError as exc:
+            return self.answer(424, "ModelError", {"Message": f"Received client error ({exc.code}) from primary",
+                                                   "OriginalStatusCode": exc.code,
+                                                   "OriginalMessage": exc.read().decode()})
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("x-Amzn-Invoked-Production-Variant", "AllTraffic")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def forward(self, body: bytes):
         conn = http.client.HTTPConnection(urlsplit(self.moto).netloc, timeout=30)
-        conn.request("POST", self.path, body, {k: v for k, v in self.headers.items() if k.lower() != "host"})
+        conn.request(self.command, self.path, body, {k: v for k, v in self.headers.items() if k.lower() != "host"})
         r = conn.getresponse()
         data = r.read()
         self.send_response(r.status)
         for k, v in r.getheaders():
             if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
                 self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
+        head = self.command == "HEAD"  # a HEAD answer says the length of the body it leaves out
+        self.send_header("Content-Length", r.getheader("Content-Length", "0") if head else str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if not head:
+            self.wfile.write(data)
+
+    def do_PUT(self):  # S3 (asynchronous inference's request upload and results) goes to moto as it is
+        self.forward(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+    def do_GET(self):
+        self.forward(b"")
+
+    def do_HEAD(self):
+        self.forward(b"")
 
     def answer(self, status: int, error_type: str, doc: dict):
         data = json.dumps(doc).encode()
@@ -163,6 +211,7 @@ def runtime_url(tmp_path_factory, tiny_url):
 @pytest.fixture(autouse=True)
 def fresh_runtime():
     Runtime.calls, Runtime.break_after, Runtime.reject = [], None, False
+    Runtime.deny_describe, Runtime.control_calls = False, []
 
 
 def cli(url, *args, ok=True):
@@ -224,7 +273,63 @@ def test_bench_stream_on_an_endpoint(runtime_url, tmp_path):
         assert 0 < level["first_audio_ms"]["p50"] < level["latency_s"]["p50"] * 1000
     assert all(0 < s["first_audio_s"] < s["latency_s"] for s in report["samples"])
 
-    Runtime.reject = True  # a full container: counted per level, not errors
-    cli(runtime_url, "bench", NAME, "--stream", "--concurrency", "2", "--requests", "3", "--warmup", "0", "-o", out)
+    Runtime.reject = True  # a full container: counted per level, not errors, but no audio fails the run
+    printed = cli(runtime_url, "bench", NAME, "--stream", "--concurrency", "2", "--requests", "3", "--warmup", "0",
+                  "-o", out, ok=False)
+    assert printed.strip().splitlines()[-1].startswith(
+        "Error: 1 of 1 level(s) over --max-error-rate 0: concurrency 2 3/3 failed; "
+        f"e.g. endpoint {NAME} answered 503")
     level, = json.loads((out / "bench.json").read_text())["levels"]
     assert level["rejected"] == 3 and level["ok"] == 0 and level["errors"] == {}
+
+
+def test_a_role_allowed_only_to_invoke_can_invoke_and_bench(runtime_url, tmp_path):
+    """invoke calls InvokeEndpoint and nothing else; bench reports the device as unknown."""
+    Runtime.deny_describe = True
+    out = tmp_path / "rt.wav"
+    printed = cli(runtime_url, "invoke", NAME, "Hello from the tiny model.", "--voice", "narrator",
+                  "--max-new-tokens", "8", "--seed", "1", "-o", out)
+    assert Runtime.control_calls == [] and Runtime.calls[-1]["accept"] == "audio/wav"
+    audio, rate = sf.read(out)
+    assert rate == 44100 and len(audio) > 0 and f"{len(audio) / rate:.2f} s of audio" in printed
+
+    # A refusal by the container is reported as it is, although the explanation may not be looked up.
+    printed = cli(runtime_url, "invoke", NAME, "Hi.", "--temperature", "7", ok=False)
+    line, = printed.strip().splitlines()
+    assert line.startswith(f"Error: endpoint {NAME} answered 400:") and "temperature" in line
+    assert Runtime.control_calls == ["SageMaker.DescribeEndpoint"]  # tried, refused, not fatal
+
+    out_dir = tmp_path / "bench"
+    cli(runtime_url, "bench", NAME, "--concurrency", "1", "--requests", "2", "--max-new-tokens", "8", "--warmup", "0",
+        "-o", out_dir)
+    report = json.loads((out_dir / "bench.json").read_text())
+    assert report["device"] == "unknown" and report["passed"] is True and report["levels"][0]["ok"] == 2
+
+    Runtime.deny_describe = False
+    cli(runtime_url, "bench", NAME, "--concurrency", "1", "--requests", "2", "--max-new-tokens", "8", "--warmup", "0",
+        "-o", out_dir)
+    report = json.loads((out_dir / "bench.json").read_text())
+    assert report["device"] == "1 x ml.m5.xlarge" and report["target"] == f"endpoint {NAME}"
+    page = (out_dir / "bench.html").read_text()
+    assert "<th>device</th><td>1 x ml.m5.xlarge</td>" in page and '<li class="pass">concurrency 1: pass' in page
+
+
+def test_async_with_an_input_location_needs_no_describe(runtime_url, tmp_path):
+    """--input-location names where the request goes, so nothing is described; the result is checked."""
+    boto3.client("s3", endpoint_url=Runtime.moto).create_bucket(Bucket="fish-sm-async-in")
+    Runtime.deny_describe = True
+    wav = io.BytesIO()
+    sf.write(wav, np.full(800, -0.25, np.float32), 8000, format="WAV", subtype="PCM_U8")
+    data = wav.getvalue()
+    assert max(data) < 0x80  # moto's queue carries text: these bytes pass it unchanged
+    req = urllib.request.Request(f"{Runtime.moto}/moto-api/static/sagemaker/async-endpoint-results", method="POST",
+                                 data=json.dumps({"results": [{"data": data.decode()}]}).encode())
+    urllib.request.urlopen(req).close()
+    out = tmp_path / "async.wav"
+    printed = cli(runtime_url, "invoke", NAME, "Hello.", "--async", "--input-location", "s3://fish-sm-async-in/req/",
+                  "-o", out, "--poll", "0.01")
+    assert out.read_bytes() == data and "0.10 s of audio" in printed and Runtime.control_calls == []
+
+    printed = cli(runtime_url, "invoke", NAME, "Hello again.", "--async", "-o", tmp_path / "b.wav", ok=False)
+    assert printed.strip().splitlines()[-1] == (f"Error: may not describe endpoint {NAME} to find its output bucket "
+                                                "(AccessDeniedException): give --input-location s3://...")

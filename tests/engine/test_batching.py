@@ -56,9 +56,14 @@ def run_alone(engine: Engine, job: Job):
                              max_new_tokens=p.max_new_tokens, seed=p.seed)
 
 
-def test_concurrent_requests_match_each_run_alone(tiny_checkpoint, solo, voices):
+@pytest.fixture(scope="module")
+def alone(solo, voices):
+    """Each of mixed_jobs run by the sequential engine, once for the tests that compare with it."""
+    return [run_alone(solo, job) for job in mixed_jobs(voices)]
+
+
+def test_concurrent_requests_match_each_run_alone(tiny_checkpoint, alone, voices):
     jobs = mixed_jobs(voices)
-    alone = [run_alone(solo, job) for job in jobs]
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=8)
     with batcher:
         tickets = [batcher.submit(job) for job in jobs]  # ten jobs, eight slots: two wait for a free one
@@ -73,7 +78,7 @@ def test_concurrent_requests_match_each_run_alone(tiny_checkpoint, solo, voices)
     assert batcher.steps < 0.5 * sum(r.frames for r in alone)
 
 
-def test_admissions_padded_as_captured_ones_give_the_same_codes(tiny_checkpoint, solo, voices, monkeypatch):
+def test_admissions_padded_as_captured_ones_give_the_same_codes(tiny_checkpoint, alone, voices, monkeypatch):
     """On CUDA, prompts from position 0 (no reused voice prefix) are admitted by graphs
     captured for a few (batch, width) shapes: padded to a power-of-two width (at least
     32), spare rows repeating the first prompt into its own cache row, causal attention.
@@ -98,8 +103,8 @@ def test_admissions_padded_as_captured_ones_give_the_same_codes(tiny_checkpoint,
     first = shapes[:2]
     assert first[0][0] == 3 and first[0][1] == 4 and first[0][2] in (32, 64) and first[0][3], shapes
     assert first[1][0] == 4 and first[1][1] == 4 and not first[1][3], shapes
-    for job, b in zip(jobs, batched):
-        assert torch.equal(b.codes, run_alone(solo, job).codes), job
+    for job, a, b in zip(jobs, alone, batched):
+        assert torch.equal(b.codes, a.codes), job
 
 
 def test_streamed_pieces_concatenate_to_the_whole(tiny_checkpoint, voices):

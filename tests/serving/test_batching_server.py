@@ -1,5 +1,6 @@
 """`fish-sm serve --server batching` for real on loopback: continuous batching, streaming,
-backpressure, and the handler's request contract (CPU, tiny package)."""
+backpressure, and the handler's request contract (CPU, tiny package; the module's server
+serves it as the model.tar.gz `fish-sm package` writes)."""
 
 import base64
 import http.client
@@ -15,7 +16,9 @@ import pytest
 import soundfile as sf
 
 from server_helpers import QUICK_ENV, Server, check_bad_request_then_a_good_one, free_port, request, serve_cmd
-from test_server import SERVER_BAD
+from test_server import SERVER_BAD, unpacked_dir
+
+from fish_sm.package.tarball import make_tarball
 
 LIMITS = {"FISH_SM_MAX_TEXT_CHARS": "100", "FISH_SM_MAX_REFERENCE_BYTES": "1000", "FISH_SM_ALLOWED_BUCKETS": "voices-ok"}
 
@@ -30,8 +33,9 @@ def start(package_dir, tmp, **env) -> Server:
 
 @pytest.fixture(scope="module")
 def server(package_dir, tmp_path_factory):
-    s = start(package_dir, tmp_path_factory.mktemp("batching"), FISH_SM_MAX_BATCH="8", FISH_SM_MAX_QUEUE="16",
-              FISH_SM_MAX_NEW_TOKENS="128")  # a request's default length: a CPU takes 30 s for 1,024 frames
+    tmp = tmp_path_factory.mktemp("batching")
+    s = start(make_tarball(package_dir, tmp / "model.tar.gz").path, tmp, FISH_SM_MAX_BATCH="8",
+              FISH_SM_MAX_QUEUE="16", FISH_SM_MAX_NEW_TOKENS="128")  # a CPU takes 30 s for 1,024 frames
     yield s
     s.stop()
 
@@ -151,6 +155,14 @@ def test_stream_arrives_in_pieces_that_concatenate_to_the_whole(server):
     assert [s for s, _ in stages] == ["accepted", "admitted", "first frame", "first audio", "first byte", "total"]
     upto_first_byte = [int(ms) for _, ms in stages[:5]]  # the total may be taken before the first write
     assert upto_first_byte == sorted(upto_first_byte)
+
+
+def test_the_unpacked_package_is_removed_when_the_server_stops(server):
+    """Last of the module server's tests: it stops it."""
+    unpacked = unpacked_dir(server)
+    assert (unpacked / "manifest.json").is_file() and (unpacked.stat().st_mode & 0o777) == 0o700
+    server.stop()
+    assert server.proc.returncode == 0 and not unpacked.exists()
 
 
 def test_overload_is_503_at_once_and_a_disconnect_frees_the_slot(one_slot):

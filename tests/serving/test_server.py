@@ -1,10 +1,13 @@
-"""`fish-sm serve` for real: the multi-model server (Java) on loopback, our handler in its worker."""
+"""`fish-sm serve model.tar.gz` for real: the multi-model server (Java) on loopback, our handler
+in its worker, the package unpacked from the tarball `fish-sm package` writes."""
 
 import base64
 import io
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +16,20 @@ import soundfile as sf
 from server_helpers import QUICK_ENV, Server, check_bad_request_then_a_good_one, free_port, request, serve_cmd
 from test_request import BAD
 
+from fish_sm.package.tarball import make_tarball
+
+
+def unpacked_dir(server) -> Path:
+    """Where `fish-sm serve` unpacked the tarball, from its log."""
+    return Path(re.search(r"unpacked and verified \S+ in (\S+)", server.log.read_text()).group(1))
+
 
 @pytest.fixture(scope="module")
 def server(package_dir, tmp_path_factory):
     port = free_port()
     tmp = tmp_path_factory.mktemp("serve")
-    s = Server(serve_cmd(package_dir, port), port, {**QUICK_ENV, "FISH_SM_CACHE_DIR": str(tmp / "cache"),
+    tarball = make_tarball(package_dir, tmp / "model.tar.gz").path
+    s = Server(serve_cmd(tarball, port), port, {**QUICK_ENV, "FISH_SM_CACHE_DIR": str(tmp / "cache"),
                                                      "FISH_SM_MAX_TEXT_CHARS": "100", "FISH_SM_MAX_REFERENCE_BYTES": "1000",
                                                      "FISH_SM_ALLOWED_BUCKETS": "voices-ok",
                                                      # a request's default length: a CPU takes 30 s for 1,024 frames
@@ -34,6 +45,7 @@ def invoke(server, body, content_type="application/json", accept=None):
 
 def test_ping_is_healthy_only_once_the_model_is_loaded(server):
     assert server.pings[-1] == 200
+    assert (unpacked_dir(server) / "manifest.json").is_file()
     assert 200 not in server.pings[:-1]  # connection refused (0) or 503 while loading, never 200 early
     # The worker's log lines reach the server's log through Java's logger, which may write
     # them a moment after /ping turned healthy.
@@ -120,3 +132,11 @@ def test_200_requests_at_concurrency_8(server):
     assert len(results) == 200
     assert all(status == 200 and rate == 44100 and n == frames * 2048 and frames <= 3
                for status, rate, n, frames in results)
+
+
+def test_the_unpacked_package_is_removed_when_the_server_stops(server):
+    """Last in this module: it stops the module's server."""
+    unpacked = unpacked_dir(server)
+    assert unpacked.is_dir() and (unpacked.stat().st_mode & 0o777) == 0o700
+    server.stop()
+    assert server.proc.returncode == 0 and not unpacked.exists()

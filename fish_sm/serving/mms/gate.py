@@ -5,7 +5,9 @@ are still loading, compiling and warming up (and whatever a worker's state, it n
 answers anything else). SageMaker would route traffic to a container that cannot serve
 it yet. So the public port is served here (aiohttp, with `http`'s guards): `GET /ping` is
 200 only once every worker has finished `model_fn` — each one leaves a marker file with
-its pid — and at least one is still alive afterwards.
+its pid — and at least one is still alive afterwards. A worker that cannot load the model
+leaves a failure marker with its one-line error instead, so that the launcher can stop a
+server whose model will never load rather than let the model server restart it forever.
 
 `POST /invocations` is the one request passed on; any other path is a 404 and any other
 method a 405, so nothing reaches the rest of the model server's API. A request's body is
@@ -41,17 +43,30 @@ CONNECTION_WAIT = 5.0  # seconds a request waits for a free connection to the mo
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of a model server error read to find its message
 
 
-def mark_ready() -> None:
-    """Called by a worker when its model is loaded and warm."""
+FAILED = "failed-"  # a failure marker's name: failed-<device>-<pid>, holding the worker's one-line error
+
+
+def mark_ready(device: str = "") -> None:
+    """Called by a worker when its model is loaded and warm; its device's earlier failures no longer count."""
     ready_dir = os.environ.get(READY_DIR_ENV)
     if ready_dir:
         Path(ready_dir).mkdir(parents=True, exist_ok=True)
         (Path(ready_dir) / str(os.getpid())).write_text("ready\n")
+        for marker in Path(ready_dir).glob(f"{FAILED}{device or '*'}-*"):
+            marker.unlink(missing_ok=True)
+
+
+def mark_failed(device: str, message: str) -> None:
+    """Called by a worker whose model could not be loaded, before it exits: the launcher counts these."""
+    ready_dir = os.environ.get(READY_DIR_ENV)
+    if ready_dir:
+        Path(ready_dir).mkdir(parents=True, exist_ok=True)
+        (Path(ready_dir) / f"{FAILED}{device}-{os.getpid()}").write_text(message)
 
 
 def live_ready_workers(ready_dir: Path) -> int:
     n = 0
-    for marker in ready_dir.glob("*"):
+    for marker in ready_dir.glob("[0-9]*"):
         try:
             os.kill(int(marker.name), 0)
             n += 1
@@ -60,6 +75,24 @@ def live_ready_workers(ready_dir: Path) -> int:
         except PermissionError:  # alive, another user's
             n += 1
     return n
+
+
+def load_failure(ready_dir: Path, attempts: int) -> str | None:
+    """The last error of a device whose worker has failed to load the model `attempts` times
+    since it last loaded it; None while every device may still come up."""
+    by_device: dict[str, list[Path]] = {}
+    for marker in ready_dir.glob(FAILED + "*"):
+        by_device.setdefault(marker.name[len(FAILED):].rpartition("-")[0], []).append(marker)
+    for device, markers in sorted(by_device.items()):
+        if len(markers) >= attempts:
+            try:
+                last = max(markers, key=lambda m: m.stat().st_mtime_ns)
+                cause = " ".join(last.read_text(errors="replace").split()) or "no message"
+            except FileNotFoundError:  # the device's worker has just loaded it after all
+                continue
+            n = len(markers)
+            return f"the model did not load on {device} after {n} attempt{'s' * (n != 1)}; the last error: {cause}"
+    return None
 
 
 def is_utf8_text(content_type: str | None) -> bool:

@@ -27,7 +27,8 @@ class Batch:
     jsonlines: bool
 
 
-def _device(context) -> str:
+def worker_device(context) -> str:
+    """The device MMS gave this worker: its GPU, or the CPU on a machine without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
@@ -44,7 +45,7 @@ def model_fn(model_dir, context=None) -> ServingModel:
     """Load the package in `model_dir` on this worker's GPU (or the CPU) and make it ready."""
     global _settings
     settings = _settings = Settings.from_env()
-    return runtime.start_model(Path(model_dir), _device(context), settings)
+    return runtime.start_model(Path(model_dir), worker_device(context), settings)
 
 
 def input_fn(input_data, content_type, context=None) -> Batch:

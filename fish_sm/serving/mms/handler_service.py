@@ -8,15 +8,16 @@ around our handler module, with errors answered as JSON without a traceback.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
 from sagemaker_inference.transformer import Transformer
 
-from fish_sm.serving.errors import HTTPError
+from fish_sm.serving.errors import HTTPError, start_up_failure
 from fish_sm.serving.mms import handler
 from fish_sm.serving.mms.errors import handle_error
-from fish_sm.serving.mms.gate import mark_ready
+from fish_sm.serving.mms.gate import mark_failed, mark_ready
 from fish_sm.serving.request import check_accept
 
 
@@ -35,13 +36,12 @@ class JSONErrorTransformer(Transformer):
 
 _transformer = JSONErrorTransformer(default_inference_handler=_Handlers())
 MODEL_DIR_ENV = "FISH_SM_MODEL_DIR"
+logger = logging.getLogger("fish_sm.serving")
 
 
 def handle(data, context):
     if data is None:
-        model_dir = os.environ.get(MODEL_DIR_ENV) or context.system_properties.get("model_dir")
-        _transformer.validate_and_initialize(model_dir=model_dir, context=context)
-        mark_ready()
+        _initialize(context)
         return None
     # The Transformer hands the handler functions the context it was initialised with, not
     # this request's; so the Accept header is checked here, before any synthesis.
@@ -51,3 +51,23 @@ def handle(data, context):
     except HTTPError as exc:
         return handle_error(context, exc, "")
     return _transformer.transform(data, context)
+
+
+def _initialize(context) -> None:
+    """model_fn, once per worker. A failure leaves its one-line error for the launcher, which
+    stops the server after a few; a bad file or setting ends the worker with that line alone
+    (its traceback would bury it in the log), a bug with its traceback."""
+    model_dir = os.environ.get(MODEL_DIR_ENV) or context.system_properties.get("model_dir")
+    device = handler.worker_device(context)
+    try:
+        _transformer.validate_and_initialize(model_dir=model_dir, context=context)
+    except Exception as exc:
+        message, expected = start_up_failure(exc)
+        mark_failed(device, message)
+        if not expected:
+            raise
+        logger.error("model_fn failed on %s: %s", device, message)
+        # SystemExit rather than the error itself, which the model server's worker would log
+        # with its traceback; it sees the worker go either way, and starts another.
+        raise SystemExit(1) from None
+    mark_ready(device)

@@ -9,7 +9,9 @@ public port is `gate`'s readiness gate, which answers `GET /ping` and passes on
 configuration (rather than /etc), pid file, sockets and logs, removed when it stops;
 MMS's limits are set for long audio: it caps responses at 6.5 MB and requests at 6 MB by
 default, and times a request out after 60 s (the `MMS_*` environment variables still
-override what is set here).
+override what is set here). MMS restarts a worker that fails to load the model forever, so
+the launcher stops the server once a device's worker has failed LOAD_ATTEMPTS times (see
+`gate.load_failure`), with the worker's error as the last line.
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from fish_sm.errors import ConfigError
-from fish_sm.serving.http import PAYLOAD_LIMIT, Limits, listening
-from fish_sm.serving.mms.gate import READY_DIR_ENV, Front, make_app
+from fish_sm.errors import ConfigError, FishSMError
+from fish_sm.serving.http import PAYLOAD_LIMIT, Limits, bind, listening
+from fish_sm.serving.mms.gate import READY_DIR_ENV, Front, load_failure, make_app
 from fish_sm.serving.mms.handler_service import MODEL_DIR_ENV
 from fish_sm.serving.runtime import ServerConfig, check_model_dir
 from fish_sm.settings import Settings
 
 HANDLER = "fish_sm.serving.mms.handler_service:handle"
 JOB_QUEUE = 100  # requests MMS holds for its workers (its default); beyond, it answers 503
+# Times a device's worker may fail to load the model before the server gives up: MMS itself
+# restarts it forever, and SageMaker would wait out its whole health-check timeout.
+LOAD_ATTEMPTS = 3
 
 
 def gpu_count() -> int:
@@ -116,7 +121,8 @@ def serve(cfg: ServerConfig) -> int:
     if shutil.which("java") is None:
         raise ConfigError("the model server needs Java 11 or newer on PATH (Debian: apt-get install default-jre-headless)")
     log_config = resources.files("sagemaker_inference").joinpath("etc/log4j2.xml")
-    with StopSignals() as stop:
+    public = bind(cfg.host, cfg.port)  # a port in use stops us before Java starts
+    with contextlib.closing(public), StopSignals() as stop:
         workers = cfg.workers or max(1, gpu_count())
         with tempfile.TemporaryDirectory(prefix="fish-sm-serve-", dir=socket_root()) as tmp_name:
             if stop.received:
@@ -134,10 +140,15 @@ def serve(cfg: ServerConfig) -> int:
             try:
                 front = Front(f"http://127.0.0.1:{backend_port}", ready_dir, workers, cfg.response_timeout + 30,
                               connections=JOB_QUEUE + workers)
-                asyncio.run(_run_front(make_app(front, Limits.from_settings(settings)), cfg, proc, stop))
+                failure = asyncio.run(_run_front(make_app(front, Limits.from_settings(settings)), cfg, public, proc,
+                                                 stop, ready_dir))
             finally:
                 _terminate(proc)
-            return proc.returncode if proc.returncode and proc.returncode > 0 else 0
+            if failure:
+                raise FishSMError(failure)  # after the model server's last word, so it is the log's last line
+            if not stop.received and proc.returncode:
+                raise FishSMError(f"the model server exited by itself with status {proc.returncode} (its log is above)")
+            return 0
 
 
 class StopSignals:
@@ -163,22 +174,28 @@ class StopSignals:
         if self._wake is not None:
             self._wake()
 
-    async def wait(self, proc: subprocess.Popen) -> None:
-        """Until a signal comes or the model server exits."""
+    async def wait(self, proc: subprocess.Popen, failed=lambda: None):
+        """Until a signal comes, the model server exits, or `failed()` returns why it cannot
+        serve (then that reason)."""
         loop, woken = asyncio.get_running_loop(), asyncio.Event()
         self._wake = lambda: loop.call_soon_threadsafe(woken.set)
         try:
             while not self.received and proc.poll() is None:
+                if reason := failed():
+                    return reason
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(woken.wait(), timeout=1.0)
+                    await asyncio.wait_for(woken.wait(), timeout=0.5)
+            return None
         finally:
             self._wake = None
 
 
-async def _run_front(app, cfg: ServerConfig, proc: subprocess.Popen, stop: StopSignals) -> None:
-    """Serve the public port until a signal arrives or the model server exits."""
-    async with listening(app, cfg.host, cfg.port):
-        await stop.wait(proc)
+async def _run_front(app, cfg: ServerConfig, sock: socket.socket, proc: subprocess.Popen, stop: StopSignals,
+                     ready_dir: Path) -> str | None:
+    """Serve the public port until a signal arrives, the model server exits, or a worker has
+    failed to load the model LOAD_ATTEMPTS times (then its error)."""
+    async with listening(app, cfg.host, cfg.port, sock=sock):
+        return await stop.wait(proc, lambda: load_failure(ready_dir, LOAD_ATTEMPTS))
 
 
 def _terminate(proc: subprocess.Popen) -> None:
