@@ -43,7 +43,7 @@ $(STOCK)/.installed: code/requirements.txt
 	touch $@
 
 test: $(VENV)/.installed $(STOCK)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(STOCK) checkpoints out

@@ -53,6 +53,10 @@ class Settings:
     header_timeout: float = 10.0  # seconds a client may take to send a request's headers
     body_timeout: float = 60.0  # seconds a client may take to send a request's body
     manifest_sha256: str = ""  # set by deploy: the sha256 the package's manifest.json must have
+    # Benchmarks only (batching server): a request is never ended by <|im_end|>, only by its
+    # max_new_tokens, so random weights (which stop at random frames) still load the GPU with
+    # the lengths a capacity run intends. Never set it on a service: every request runs to its cap.
+    benchmark_lengths: bool = False
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
@@ -108,6 +112,8 @@ def _parse(key: str, raw: str, type_name: str):
             return float(raw)
         if type_name.startswith("tuple"):
             return tuple(b.strip() for b in raw.split(",") if b.strip())
-    except ValueError:
+        if type_name == "bool":
+            return {"true": True, "false": False}[raw.lower()]
+    except (ValueError, KeyError):
         raise ConfigError(f"{key}={raw!r} is not a valid {type_name}") from None
     return raw.upper() if key.endswith("LOG_LEVEL") else raw.lower() if key.endswith(("QUANTIZE", "COMPILE", "DTYPE", "SERVER", "MANIFEST_SHA256")) else raw

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws, one_target, output_format_option
+from fish_sm.cli.common import (aws_options, friendly_errors, main, make_aws, one_target, output_format_option,
+                                publish_report)
 from fish_sm.contract import AUDIO_TYPES
 
 
@@ -47,12 +48,11 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
     Every answer must be audio of the format asked for; a level whose requests fail more often
     than --max-error-rate fails the run, after the report is written."""
     import contextlib
-    import json
 
     from fish_sm.clients import bench as b
     from fish_sm.clients.endpoint import EndpointTarget, endpoint_instances
     from fish_sm.clients.local_server import local_server
-    from fish_sm.clients.report import format_table, verdict_lines, write_html, write_json
+    from fish_sm.clients.report import format_table, verdict_lines
     from fish_sm.clients.request import check_stream
     from fish_sm.clients.url import UrlTarget, server_info
     from fish_sm.errors import FishSMError
@@ -85,16 +85,7 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
                              device=device, server=server, log=say)
     if local:
         report["target"] = f"local {local} (served at {report['target']})"
-    json_path = write_json(report, out_dir / "bench.json")
-    say(format_table(report))
-    for line in verdict_lines(report):
-        say(line)
-    say(f"wrote {json_path}")
-    html_path = write_html(report, out_dir / "bench.html")
-    say(f"wrote {html_path}")
-    if output_format == "json":
-        click.echo(json.dumps({**{k: v for k, v in report.items() if k != "samples"},
-                               "json": str(json_path), "html": str(html_path)}))
+    publish_report(report, out_dir, [format_table(report), *verdict_lines(report)], output_format, say)
     failed = [lv for lv in report["levels"] if not lv["passed"]]
     if failed:
         worst = max(failed, key=lambda lv: lv["error_rate"])

@@ -90,6 +90,24 @@ def one_target(*choices: tuple[str, object]) -> None:
         raise click.UsageError(f"give exactly one of {', '.join(label for label, _ in choices)}")
 
 
+def publish_report(report: dict, out_dir, lines, output_format: str, say) -> None:
+    """bench.json and bench.html under out_dir, the summary lines through `say`, and with
+    --output json the report (without its samples) and both paths as one object on stdout."""
+    import json
+
+    from fish_sm.clients.report import write_html, write_json
+
+    json_path = write_json(report, out_dir / "bench.json")
+    for line in lines:
+        say(line)
+    say(f"wrote {json_path}")
+    html_path = write_html(report, out_dir / "bench.html")
+    say(f"wrote {html_path}")
+    if output_format == "json":
+        click.echo(json.dumps({**{k: v for k, v in report.items() if k != "samples"},
+                               "json": str(json_path), "html": str(html_path)}))
+
+
 def human_size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":

@@ -185,6 +185,145 @@ def plots(report: dict) -> dict[str, str]:
     return out
 
 
+# -- capacity runs (fish_sm.clients.capacity): offered streams against the SLO -------------------
+
+CAPACITY_COLUMNS = ["streams", "arrivals/s", "ok/n", "1st p50 ms", "1st p99 ms", "underrun", "stalled", "audio s/s",
+                    "rejected", "errors", "result"]
+
+
+def capacity_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for lv in report["levels"]:
+        first, under, thin = lv["first_audio_ms"], lv["underrun"], _thin(lv)
+        p99 = _fmt(first["p99"], ".0f") + (THIN if "first audio p99" in thin and first["p99"] is not None else "")
+        errors = ", ".join(f"{k}: {n}" for k, n in lv["errors"].items()) or "-"
+        rows.append([str(lv["streams"]), _fmt(lv["arrivals_per_s"]), f"{lv['ok']}/{lv['requests']}",
+                     _fmt(first["p50"], ".0f"), p99, _fmt(under["share"], ".3%"), f"{under['streams']}/{lv['streamed']}",
+                     _fmt(lv["audio_seconds_per_wall_second"], ".1f"), str(lv["rejected"]), errors,
+                     "pass" if lv["passed"] else "FAIL"])
+    return rows
+
+
+def format_capacity_table(report: dict) -> str:
+    """The capacity curve as a fixed-width text table: one row per offered level."""
+    rows = [CAPACITY_COLUMNS] + capacity_rows(report)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(CAPACITY_COLUMNS))]
+    lines = ["  ".join(cell.rjust(w) if i < len(widths) - 1 else cell for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def capacity_summary(report: dict) -> str:
+    """One line: the capacity under the SLO and what it means per GPU, per instance-hour and in dollars."""
+    cap, settings = report["capacity"], report["settings"]
+    slo = (f"p99 first audio <= {settings['slo_first_audio_ms']:g} ms, underrun <= {settings['slo_underrun']:.2%} "
+           f"of playback")
+    if not cap["streams"]:
+        return f"capacity: no level meets the SLO ({slo})"
+    line = (f"capacity: {cap['streams']} concurrent real-time streams meet the SLO ({slo}): "
+            f"{cap['streams_per_gpu']:.1f} per GPU ({cap['gpus']} GPU(s) x {cap['instances']} instance(s)), "
+            f"{cap['audio_hours_per_instance_hour']:.1f} audio-hours per instance-hour")
+    if cap.get("usd_per_audio_hour") is not None:
+        line += (f", ${cap['usd_per_audio_hour']:.4f} per audio-hour at ${cap['usd_per_hour']:.4g}/h"
+                 + (f" ({cap['price_source']})" if cap.get("price_source") else ""))
+    return line
+
+
+def capacity_lines(report: dict) -> list[str]:
+    """Why each failed level failed, the summary line, how lengths were held, notes, and the
+    percentiles resting on too few samples."""
+    lines = [f"{lv['streams']} streams: FAIL: {'; '.join(lv['slo_failures'])}" for lv in report["levels"]
+             if not lv["passed"]]
+    lines.append(capacity_summary(report))
+    lines.append(f"lengths: {report['lengths']}")
+    lines += report.get("notes", [])
+    warned = [f"{lv['streams']} streams: {', '.join(lv['warnings'])}" for lv in report["levels"] if lv["warnings"]]
+    if warned:
+        needs = ", ".join(f"{q} needs {n}" for q, n in MIN_SAMPLES.items())
+        lines.append(f"{THIN} too few samples for the percentile ({needs}), or a client short of time: "
+                     + "; ".join(warned))
+    return lines
+
+
+def capacity_plots(report: dict) -> dict[str, str]:
+    """title -> PNG data URI: first audio p50/p99 and underrun share against offered streams
+    (with the SLO's limits), and audio seconds per second; failed levels marked."""
+    levels = report["levels"]
+    if not any(lv["ok"] for lv in levels):
+        return {}
+    try:
+        import matplotlib
+    except ImportError:
+        raise AWSError("the HTML report's plots need matplotlib: pip install 'fish-sm[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = report["settings"]
+    streams = [lv["streams"] for lv in levels]
+    failed = [lv["streams"] for lv in levels if not lv["passed"]]
+    log_x = len(streams) > 1 and max(streams) / min(streams) >= 8
+
+    def axes(ylabel: str, title: str):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if log_x:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(streams, [str(n) if n not in failed else f"{n}\n(failed)" for n in streams])
+        ax.set_xlabel("offered concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        return fig, ax
+
+    def values(get):
+        return [np.nan if get(lv) is None else get(lv) for lv in levels]
+
+    out = {}
+    fig, ax = axes("time to first audio (ms)", "First audio against offered streams")
+    ax.plot(streams, values(lambda lv: lv["first_audio_ms"]["p99"]), "o-", label="p99")
+    ax.plot(streams, values(lambda lv: lv["first_audio_ms"]["p50"]), "s--", label="p50")
+    ax.axhline(settings["slo_first_audio_ms"], color="tab:red", linestyle=":", label="SLO")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    out["First audio against offered streams"] = _png(fig)
+    plt.close(fig)
+
+    fig, ax = axes("underrun (% of playback time)", "Underrun against offered streams")
+    ax.plot(streams, values(lambda lv: None if lv["underrun"]["share"] is None else 100 * lv["underrun"]["share"]),
+            "o-", label="underrun")
+    ax.axhline(100 * settings["slo_underrun"], color="tab:red", linestyle=":", label="SLO")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    out["Underrun against offered streams"] = _png(fig)
+    plt.close(fig)
+
+    fig, ax = axes("audio seconds per wall second", "Audio produced against offered streams")
+    ax.plot(streams, [lv["audio_seconds_per_wall_second"] for lv in levels], "o-")
+    ax.set_ylim(bottom=0)
+    out["Audio produced against offered streams"] = _png(fig)
+    plt.close(fig)
+    return out
+
+
+def _capacity_html(report: dict) -> tuple[str, str, str]:
+    """(verdict, the levels' section, plots and errors) of a capacity run's page."""
+    esc = html.escape
+    images = capacity_plots(report)
+    head = "".join(f"<th>{esc(c)}</th>" for c in CAPACITY_COLUMNS)
+    body = "".join(f'<tr class="{"pass" if lv["passed"] else "fail"}">' + "".join(f"<td>{esc(c)}</td>" for c in row)
+                   + "</tr>" for lv, row in zip(report["levels"], capacity_rows(report)))
+    lines = "".join(f"<li>{esc(line)}</li>" for line in capacity_lines(report))
+    section = (f"<h2>Capacity curve</h2><ul>{lines}</ul>\n<table><tr>{head}</tr>{body}</table>\n"
+               "<p>1st p50/p99 ms: time from a stream's arrival to its first audio byte. underrun: time listeners "
+               "waited after playback began, as a share of playback time; stalled: streams that waited at all.</p>")
+    figs = "".join(f'<h2>{esc(t)}</h2>\n<img alt="{esc(t)}" src="{uri}">\n' for t, uri in images.items())
+    if not images:
+        figs = "<h2>Plots</h2>\n<p class=\"fail\">No request brought audio: nothing to plot.</p>\n"
+    errors = "".join(f"<li>{lv['streams']} streams, {esc(kind)}: {esc(str(msg))}</li>"
+                     for lv in report["levels"] for kind, msg in lv["error_examples"].items())
+    figs += f"<h2>Errors and rejections</h2><ul>{errors or '<li>none</li>'}</ul>"
+    return capacity_summary(report), section, figs
+
+
 def _verdict(report: dict) -> str:
     failed = [lv for lv in report["levels"] if not lv.get("passed", True)]
     if not failed:
@@ -196,9 +335,11 @@ def write_html(report: dict, path: Path) -> Path:
     """A self-contained page (nothing fetched from the network): what was measured on what, the
     verdict and a pass/fail line per level, the table, the plots as <img> data URIs, and the
     error examples. A run without any audio has no plots, and says so."""
-    images = plots(report)
     esc = html.escape
     settings = report.get("settings", {})
+    if report.get("kind") == "capacity":
+        return _write_page(report, path, *_capacity_html(report), accept="audio/wav")
+    images = plots(report)
     head = "".join(f"<th>{esc(c)}</th>" for c in table_columns(report)) + "<th>result</th>"
     body = "".join(
         f'<tr class="{"pass" if lv.get("passed", True) else "fail"}">'
@@ -213,26 +354,34 @@ def write_html(report: dict, path: Path) -> Path:
     verdicts = "".join(f'<li class="{"pass" if lv.get("passed", True) else "fail"}">'
                        f'{esc(level_verdict(lv, settings.get("max_error_rate", 0.0)))}</li>' for lv in report["levels"])
     notes = "".join(f"<p>{esc(line)}</p>" for line in verdict_lines(report)[len(report["levels"]):])
+    streamed = ("<p>Streamed: 1st p50/p95 ms is the time to the first audio byte.</p>"
+                if report.get("stream") else "")
+    section = f"<h2>Levels</h2><ul>{verdicts}</ul>{notes}{streamed}\n<table><tr>{head}</tr>{body}</table>\n"
+    figs += f"<h2>Errors and rejections</h2><ul>{errors or '<li>none</li>'}</ul>"
+    return _write_page(report, path, _verdict(report), section, figs, accept=report["accept"])
+
+
+def _write_page(report: dict, path: Path, overall: str, section: str, figs: str, accept: str) -> Path:
+    """The page around a run's own sections: the verdict, what was measured on what, then the sections."""
+    esc = html.escape
     about = "".join(f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>" for k, v in (
         ("target", report["target"]), ("device", report.get("device", "unknown")),
         ("fish-sm", report.get("fish_sm_version", "unknown")),
         ("started", f"{report['started']} UTC"), ("finished", f"{report.get('finished', '-')} UTC"),
-        *((k.replace("_", " "), "-" if v is None else v) for k, v in settings.items()),
-        ("accept", report["accept"])))
-    streamed = ("<p>Streamed: 1st p50/p95 ms is the time to the first audio byte.</p>"
-                if report.get("stream") else "")
-    overall = _verdict(report)
+        *((k.replace("_", " "), "-" if v is None else v) for k, v in report.get("settings", {}).items()),
+        *((f"mix: {k.replace('_', ' ')}", "-" if v is None else v) for k, v in report.get("mix", {}).items()),
+        ("accept", accept)))
+    title = "fish-sm capacity" if report.get("kind") == "capacity" else "fish-sm bench"
     page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>fish-sm bench: {esc(report['target'])}</title>
+<html><head><meta charset="utf-8"><title>{title}: {esc(report['target'])}</title>
 <style>body{{font-family:sans-serif;max-width:960px;margin:2em auto}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:100%}}
 .pass{{color:#1a7f37}}.fail{{color:#b42318;font-weight:bold}}tr.pass{{color:inherit}}</style></head>
-<body><h1>fish-sm bench</h1>
+<body><h1>{title}</h1>
 <p class="{'pass' if report.get('passed', True) else 'fail'}" id="verdict">{esc(overall)}</p>
 <table>{about}</table>
-<h2>Levels</h2><ul>{verdicts}</ul>{notes}{streamed}
-<table><tr>{head}</tr>{body}</table>
-{figs}<h2>Errors and rejections</h2><ul>{errors or '<li>none</li>'}</ul>
+{section}
+{figs}
 </body></html>
 """
     path = Path(path)

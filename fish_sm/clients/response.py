@@ -29,6 +29,7 @@ class Response:
     latency_s: float
     first_audio_s: float | None = None  # streamed: when the first PCM byte (after any WAV header) came
     sample_rate: int | None = None  # for bare PCM, whose bytes do not say it
+    arrivals: list[tuple[float, int]] | None = None  # streamed: (seconds since sent, bytes) of each piece as it came
 
 
 NOT_AUDIO = "not audio"  # the error kind of an answer that is not audio of the format asked for

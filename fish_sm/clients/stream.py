@@ -57,8 +57,16 @@ def close_wav(body: bytes) -> bytes:
 
 
 def stream_response(pieces: Iterable[bytes], content_type: str, t0: float, sample_rate: int | None) -> Response:
-    body, first = read_stream(pieces, content_type, t0)
+    """The joined stream, with when each piece came (a listener's playback is judged from them)."""
+    arrivals: list[tuple[float, int]] = []
+
+    def timed(pieces):
+        for piece in pieces:
+            arrivals.append((time.perf_counter() - t0, len(piece)))
+            yield piece
+
+    body, first = read_stream(timed(pieces), content_type, t0)
     latency = time.perf_counter() - t0
     if not content_type.startswith("audio/pcm"):
         body = close_wav(body)
-    return Response(body, content_type, latency, first, sample_rate or pcm_rate(content_type))
+    return Response(body, content_type, latency, first, sample_rate or pcm_rate(content_type), arrivals)

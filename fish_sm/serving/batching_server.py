@@ -58,7 +58,8 @@ def start_worker(model_dir: Path, device: str, settings: Settings) -> Worker:
     """Load, quantize, capture the batched decode steps, warm up; then start the engine."""
     model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device)
     batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
-                          prefix_cache=settings.prefix_cache, codec_precision=settings.codec_precision)
+                          prefix_cache=settings.prefix_cache, codec_precision=settings.codec_precision,
+                          forced_lengths=settings.benchmark_lengths)
     if model.compiled:
         phase("compile", batcher.compile)
     batcher.start()
@@ -131,7 +132,10 @@ class BatchingApp:
             return web.json_response({"status": "Loading"}, status=503)
         if not all(w.alive() for w in self.workers):
             return web.json_response({"status": "Unhealthy"}, status=503)
-        return web.json_response({"status": "Healthy", "load": [w.batcher.load() for w in self.workers]})
+        doc = {"status": "Healthy", "load": [w.batcher.load() for w in self.workers]}
+        if self.settings.benchmark_lengths:  # so a benchmark's report can say its lengths were forced
+            doc["benchmark_lengths"] = True
+        return web.json_response(doc)
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         request["received"] = time.perf_counter()

@@ -1,6 +1,7 @@
 """moto's standalone server for the AWS tests, with AWS settings isolated from this machine's."""
 
 import contextlib
+import urllib.request
 
 import pytest
 
@@ -22,7 +23,10 @@ def moto_server(tmp_path_factory):
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()
+        url = f"http://{host}:{port}"
+        # moto's state belongs to the process, not the server: start each module from nothing.
+        urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=30).close()
         try:
-            yield f"http://{host}:{port}"
+            yield url
         finally:
             server.stop()

@@ -118,3 +118,17 @@ def test_settings_from_env_are_validated():
                          ({"FISH_SM_MAX_TEXT_CHARS": "0"}, "FISH_SM_MAX_TEXT_CHARS must be at least 1")]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             Settings.from_env(env)
+
+
+def test_benchmark_lengths_is_an_off_by_default_server_setting():
+    """FISH_SM_BENCHMARK_LENGTHS (benchmarks only) comes from the environment alone, never from a request."""
+    from fish_sm.errors import ConfigError
+
+    assert Settings.from_env({}).benchmark_lengths is False
+    assert Settings.from_env({"FISH_SM_BENCHMARK_LENGTHS": "TRUE"}).benchmark_lengths is True
+    assert Settings.from_env({"FISH_SM_BENCHMARK_LENGTHS": "false"}).benchmark_lengths is False
+    with pytest.raises(ConfigError, match="FISH_SM_BENCHMARK_LENGTHS='yes' is not a valid bool"):
+        Settings.from_env({"FISH_SM_BENCHMARK_LENGTHS": "yes"})
+    with pytest.raises(HTTPError) as err:
+        parse({"text": "Hi.", "benchmark_lengths": True})
+    assert err.value.status == 400 and "benchmark_lengths" in err.value.message

@@ -36,15 +36,16 @@ class BatchEngine:
 
     def __init__(self, engine: Engine, max_batch: int = 64, max_queue: int | None = None,
                  prefix_cache: int = 8, memory_fraction: float = 0.9, first_piece: int = 4, largest_piece: int = 64,
-                 codec_precision: str = "auto"):
+                 codec_precision: str = "auto", forced_lengths: bool = False):
         self.engine, self.model = engine, engine.model
         self.device = engine.device
         self._codec = CodecWorker(engine, first_piece, largest_piece, codec_precision)
         # The codec's working memory is measured before the slots are sized around it.
         self.runner = ModelRunner(engine, max_batch, memory_fraction, prefix_cache, self._codec.codec.working_bytes)
         slots = self.runner.slots
+        # forced_lengths: benchmarks only (FISH_SM_BENCHMARK_LENGTHS), see Scheduler.
         self.scheduler = Scheduler(slots, slots if max_queue is None else max_queue, self.model.im_end_id,
-                                   self.runner.new_generator)
+                                   self.runner.new_generator, forced_lengths)
         self._lock = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None

@@ -96,9 +96,13 @@ class Scheduler:
     """The waiting queue, the slots and each request's progress. `add`, `schedule` and the
     counts run under the engine's lock; the rest on the engine's thread."""
 
-    def __init__(self, slots: int, max_queue: int, im_end: int, generator: Callable[[int | None], object]):
+    def __init__(self, slots: int, max_queue: int, im_end: int, generator: Callable[[int | None], object],
+                 forced_lengths: bool = False):
         self.slots, self.max_queue = slots, max_queue
         self.im_end = im_end  # the code that ends a chunk
+        # Benchmarks only (FISH_SM_BENCHMARK_LENGTHS): <|im_end|> ends nothing, every chunk runs to
+        # its max_new frames, so random weights load the GPU with the lengths a benchmark intends.
+        self.forced_lengths = forced_lengths
         self._generator = generator  # a request's random stream, from its seed
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._active: list[Request] = []  # _active[i].slot == i
@@ -186,15 +190,16 @@ class Scheduler:
             r.computed += 1
 
     def check(self, queued: Queued) -> Checked:
-        """The stop checks for a frame queued earlier: <|im_end|> or the chunk's last frame
-        ends the chunk, the last chunk's end completes the request."""
+        """The stop checks for a frame queued earlier: <|im_end|> (unless lengths are forced: then
+        its frame's codes are spoken like any other's) or the chunk's last frame ends the chunk,
+        the last chunk's end completes the request."""
         request = queued.request
         if request.chunk != queued.chunk or request.finished_chunk or request.slot < 0:
             return Checked()  # the frame queued after its chunk's last one
         if request.ticket.cancelled:
             return Checked(cancelled=True)
         frame = queued.frames.row(queued.row)
-        if int(frame[0]) == self.im_end:
+        if int(frame[0]) == self.im_end and not self.forced_lengths:
             return Checked(complete=self._finish_chunk(request))
         if "first_frame" not in request.ticket.timings:
             request.ticket.timings["first_frame"] = time.perf_counter() - request.ticket.submitted
