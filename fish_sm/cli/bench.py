@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from fish_sm.cli.common import (aws_options, friendly_errors, main, make_aws, one_target, output_format_option,
-                                publish_report)
+                                publish_report, serving_locally)
 from fish_sm.contract import AUDIO_TYPES
 
 
@@ -51,7 +51,6 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
 
     from fish_sm.clients import bench as b
     from fish_sm.clients.endpoint import EndpointTarget, endpoint_instances
-    from fish_sm.clients.local_server import local_server
     from fish_sm.clients.report import format_table, verdict_lines
     from fish_sm.clients.request import check_stream
     from fish_sm.clients.url import UrlTarget, server_info
@@ -69,10 +68,7 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
     server = None
     with contextlib.ExitStack() as stack:
         if local:
-            say(f"starting fish-sm serve {local} ...")
-            url = stack.enter_context(local_server(local, log_path=out_dir / "serve.log",
-                                                   startup_timeout_s=startup_timeout))
-            say(f"serving at {url} (log: {out_dir / 'serve.log'})")
+            url = stack.enter_context(serving_locally(local, out_dir, startup_timeout, say))
         if url:
             target = UrlTarget(url, timeout_s=timeout)
             device, server = server_info(url)

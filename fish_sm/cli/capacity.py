@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from fish_sm.cli.common import (aws_options, friendly_errors, main, make_aws, one_target, output_format_option,
-                                publish_report)
+                                publish_report, serving_locally)
 
 DEFAULT_STREAMS = "8,16,32,64,128,256,512,1024"
 
@@ -76,7 +76,6 @@ def capacity(name, url, local, streams, duration, arrivals, seed, slo_first_audi
 
     from fish_sm.clients import capacity as cap
     from fish_sm.clients.endpoint import EndpointTarget, endpoint_instances
-    from fish_sm.clients.local_server import local_server
     from fish_sm.clients.report import capacity_lines, format_capacity_table
     from fish_sm.clients.request import reference_audio
     from fish_sm.clients.url import UrlTarget, server_info
@@ -99,10 +98,7 @@ def capacity(name, url, local, streams, duration, arrivals, seed, slo_first_audi
     instances, server = 1, None
     with contextlib.ExitStack() as stack:
         if local:
-            say(f"starting fish-sm serve {local} ...")
-            url = stack.enter_context(local_server(local, log_path=out_dir / "serve.log",
-                                                   startup_timeout_s=startup_timeout))
-            say(f"serving at {url} (log: {out_dir / 'serve.log'})")
+            url = stack.enter_context(serving_locally(local, out_dir, startup_timeout, say))
         if url:
             target = UrlTarget(url, timeout_s=timeout)
             device, server = server_info(url)

@@ -6,6 +6,7 @@ Heavy imports (torch, boto3) happen inside the commands that need them, so `fish
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -88,6 +89,17 @@ def one_target(*choices: tuple[str, object]) -> None:
     """Exactly one of the (label, value) pairs must be given."""
     if sum(1 for _, v in choices if v) != 1:
         raise click.UsageError(f"give exactly one of {', '.join(label for label, _ in choices)}")
+
+
+@contextlib.contextmanager
+def serving_locally(model, out_dir, startup_timeout: float, say):
+    """`fish-sm serve MODEL` on a free port for a --local benchmark, its log in out_dir; yields its URL."""
+    from fish_sm.clients.local_server import local_server
+
+    say(f"starting fish-sm serve {model} ...")
+    with local_server(model, log_path=out_dir / "serve.log", startup_timeout_s=startup_timeout) as url:
+        say(f"serving at {url} (log: {out_dir / 'serve.log'})")
+        yield url
 
 
 def publish_report(report: dict, out_dir, lines, output_format: str, say) -> None:

@@ -101,18 +101,25 @@ def _png(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def plots(report: dict) -> dict[str, str]:
-    """title -> PNG data URI: latency per concurrency, throughput vs concurrency, latency vs audio length,
-    and for streamed runs the time to first audio vs concurrency. None when no request brought
-    audio (there is nothing to draw); a level without audio is labelled failed on each axis."""
-    if not any(s["ok"] for s in report["samples"]):
-        return {}
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend; a one-line error when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
         raise AWSError("the HTML report's plots need matplotlib: pip install 'fish-sm[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plots(report: dict) -> dict[str, str]:
+    """title -> PNG data URI: latency per concurrency, throughput vs concurrency, latency vs audio length,
+    and for streamed runs the time to first audio vs concurrency. None when no request brought
+    audio (there is nothing to draw); a level without audio is labelled failed on each axis."""
+    if not any(s["ok"] for s in report["samples"]):
+        return {}
+    plt = _pyplot()
 
     levels = report["levels"]
     conc = [lv["concurrency"] for lv in levels]
@@ -252,12 +259,7 @@ def capacity_plots(report: dict) -> dict[str, str]:
     levels = report["levels"]
     if not any(lv["ok"] for lv in levels):
         return {}
-    try:
-        import matplotlib
-    except ImportError:
-        raise AWSError("the HTML report's plots need matplotlib: pip install 'fish-sm[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     settings = report["settings"]
     streams = [lv["streams"] for lv in levels]
