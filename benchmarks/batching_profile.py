@@ -52,7 +52,6 @@ TIMED = [
     ("fish_sm.engine.generate", "HostCopy", "get"),  # waits for a copy to the host (a step's codes, audio)
     ("fish_sm.engine.batching.engine", "BatchEngine", "_hand_over"),  # frames to the codec thread
     ("fish_sm.engine.batching.engine", "BatchEngine", "_retire"),  # a finished request leaves its slot
-    ("fish_sm.engine.batching.runner", "ModelRunner", "move"),  # another request's rows moved into it
     ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_decode_next"),  # choose and decode one batch
     ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_pieces"),  # one batch of pieces through the codec
     ("fish_sm.engine.codec_stream", "StreamingCodec", "push_many"),  # the codec's fronts and backs
@@ -231,9 +230,10 @@ def main(argv: list[str] | None = None) -> dict:
         print("not timed (not found):", ", ".join(missing), flush=True)
     for mode in a.modes.split(","):
         engine = load(a.checkpoint, mode, device, a.max_seq_len)
-        batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0)
+        batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0, horizon_s=0)  # decode as fast as it can
         t0 = time.perf_counter()
         batcher.compile()
+        batcher.capture_remaining()
         records = out["modes"][mode] = {"slots": batcher.slots, "compile_s": time.perf_counter() - t0, "levels": []}
         print(mode, json.dumps({k: v for k, v in records.items() if k != "levels"}), flush=True)
         for n in streams:

@@ -107,9 +107,10 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
 
 def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, window: Tensor, noise: Tensor,
                  temperature: Tensor, top_p: Tensor, penalty: Tensor, live: int = 0,
-                 key_pos: Tensor | None = None, pickers: Pickers = Pickers()) -> Tensor:
-    """Feed each row's previous frame (frame [B, 1 + C], at input_pos [B], in cache rows 0..B-1)
-    and sample the next ones; sampling parameters are [B, 1], one per row.
+                 key_pos: Tensor | None = None, pickers: Pickers = Pickers(), rows: Tensor | None = None) -> Tensor:
+    """Feed each row's previous frame (frame [B, 1 + C], at input_pos [B], in cache rows 0..B-1,
+    or in the cache rows `rows` [B] names) and sample the next ones; sampling parameters are
+    [B, 1], one per row.
 
     Eager: attention reads exactly `live` cache slots. Compiled or batched: `key_pos` (an
     arange of the longest row's length rounded up by `attention_bucket`) sets how many,
@@ -118,7 +119,7 @@ def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, win
     # One row: its position as the batch's shared one (a plain slice write into the cache);
     # several: one position per row (an indexed write).
     positions = input_pos if frame.shape[0] == 1 else input_pos[:, None]
-    logits, hidden = model.forward_slow(frame[:, :, None], positions, live, key_pos)
+    logits, hidden = model.forward_slow(frame[:, :, None], positions, live, key_pos, 0 if rows is None else rows)
     return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty, pickers)
 
 
@@ -196,9 +197,14 @@ class GraphedStep:
     Inputs are copied into static buffers (the first B rows of buffers sized for
     `max_batch`); the output buffer is reused by the next replay (callers clone it).
     `compile_options`: keyword arguments of every `kernels.compile_decode` call (inductor's
-    options for the layers and pickers)."""
+    options for the layers and pickers).
 
-    def __init__(self, model: DualARTransformer, max_batch: int = 1, compile_options: Mapping = MappingProxyType({})):
+    With `scratch_row` (the batching engine), each decode step names the cache rows of its
+    sequences (an input like the others: one graph serves any rows) and captures write into
+    that spare row, so graphs can be captured while other rows hold live requests."""
+
+    def __init__(self, model: DualARTransformer, max_batch: int = 1, compile_options: Mapping = MappingProxyType({}),
+                 scratch_row: int | None = None):
         dev, rows = model.device, 1 + model.config.num_codebooks
         self.model = model
         # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels
@@ -239,6 +245,8 @@ class GraphedStep:
                 "top_p": torch.ones(max_batch, 1, device=dev),
                 "penalty": torch.ones(max_batch, 1, device=dev),
             }
+            if scratch_row is not None:
+                self.inputs["rows"] = torch.full((max_batch,), scratch_row, dtype=torch.long, device=dev)
             c = model.config
             self.first_inputs = {  # the first frame after a prefill shares the sampling inputs
                 "logits": torch.zeros(max_batch, c.semantic_vocab + 1, dtype=model.dtype, device=dev),
@@ -252,14 +260,20 @@ class GraphedStep:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.admissions: dict[tuple[int, int], tuple] = {}  # (batch, width) -> graph, inputs, outputs
         self.timings: dict[str, float] = {}  # capture seconds by kind (capture_all)
+        self.scratch_row = scratch_row
+        # "thread_local" once other threads use the GPU (captures beside serving): their calls
+        # then cannot invalidate this thread's capture.
+        self.capture_error_mode = "global"
 
     @torch.inference_mode()  # as every replay runs: one grad mode, one set of compiled graphs
     def capture(self, batch: int, bucket: int, warm_up: bool = True) -> None:
         model, x = self.model, {k: v[:batch] for k, v in self.inputs.items()}
         x["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
+        if "rows" in x:
+            x["rows"].fill_(self.scratch_row)
         self.graphs[(batch, bucket)] = self._capture(lambda: decode_frame(
             model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"], x["top_p"], x["penalty"],
-            key_pos=model.positions[:bucket], pickers=self.pickers_for(batch)), warm_up)
+            key_pos=model.positions[:bucket], pickers=self.pickers_for(batch), rows=x.get("rows")), warm_up)
 
     def pickers_for(self, batch: int) -> Pickers:
         return self.pickers_one if batch == 1 else self.pickers_many
@@ -342,11 +356,13 @@ class GraphedStep:
         ends to `width` positions, each into its own cache row, attending causally
         over its own `width` positions: the batching engine's admissions as one
         replay, not ~1,300 kernels launched from Python (measured 40-170 ms under load,
-        every stream waiting). Captured before serving: it writes into cache rows 0..batch-1."""
+        every stream waiting). Its capture writes into cache rows 0..batch-1, or the scratch row."""
         model, dev = self.model, self.model.device
+        rows = (torch.arange(batch, device=dev) if self.scratch_row is None
+                else torch.full((batch,), self.scratch_row, dtype=torch.long, device=dev))
         x = {"tokens": torch.zeros(batch, 1 + model.config.num_codebooks, width, dtype=torch.long, device=dev),
              "positions": torch.arange(width, device=dev).repeat(batch, 1),
-             "row": torch.arange(batch, device=dev), "last": torch.zeros(batch, dtype=torch.long, device=dev)}
+             "row": rows, "last": torch.zeros(batch, dtype=torch.long, device=dev)}
         graph, out = self._capture(lambda: model.forward_slow(x["tokens"], x["positions"], width,
                                                               row=x["row"], last=x["last"]))
         self.admissions[(batch, width)] = graph, x, out
@@ -367,13 +383,14 @@ class GraphedStep:
                 run()  # outside the graph: compiling, lazy inits, workspace allocations
             torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
             out = run()
         return graph, out
 
-    def __call__(self, model, frame, input_pos, window, noise, temperature, top_p, penalty, key_pos) -> Tensor:
+    def __call__(self, model, frame, input_pos, window, noise, temperature, top_p, penalty, key_pos,
+                 rows: Tensor | None = None) -> Tensor:
         _fill(self.inputs, frame=frame, input_pos=input_pos, window=window, noise=noise, temperature=temperature,
-              top_p=top_p, penalty=penalty)
+              top_p=top_p, penalty=penalty, **({} if rows is None else {"rows": rows}))
         graph, out = self.graphs[(frame.shape[0], key_pos.shape[0])]
         graph.replay()
         return out

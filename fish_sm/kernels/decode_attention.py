@@ -38,12 +38,13 @@ def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 def attend_new_token(qkv: Tensor, n_head: int, n_kv: int, q_norm: Tensor | None, k_norm: Tensor | None,
                      eps: float, rope: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor,
-                     slots: int, target: int = TARGET_PROGRAMS) -> Tensor:
+                     slots: int, target: int = TARGET_PROGRAMS, row: Tensor | None = None) -> Tensor:
     """A decode step's attention for one sequence (cache row 0), from its projection `qkv`
     [1, 1, (heads + 2 kv_heads) * head_dim]: QK-norm (if the weights are given) and RoPE
     (`rope` [1, head_dim/2, 2], its position's) of q and the new k, the new k and v written
     into the cache at `input_pos` [1], and attention over slots 0..input_pos (`slots` bounds
-    them: the step's bucket). Returns [1, 1, heads * head_dim]. Where the model's torch runs
+    them: the step's bucket), in cache row 0 or the row that the tensor `row` [1] names (read on
+    the GPU, so one graph serves any row). Returns [1, 1, heads * head_dim]. Where the model's torch runs
     three kernels before attention (the norms and RoPE of q, of k with the cache write, v's
     write), this runs none: each program of the attention derives its own heads' q and new
     k/v (at most two query heads and one kv head of 128 values), and the program whose
@@ -59,10 +60,12 @@ def attend_new_token(qkv: Tensor, n_head: int, n_kv: int, q_norm: Tensor | None,
         pieces = m, torch.empty_like(m), torch.empty(1, n_head, splits, head_dim, dtype=torch.float32, device=qkv.device)
     pdl, launch = dependent_launch(qkv.device)
     norms = (q_norm, k_norm) if q_norm is not None else (rope, rope)
-    _attend_new_token[(n_kv, splits)](qkv, *norms, rope, k_cache, v_cache, input_pos, out, *pieces, chunk,
-                                      head_dim ** -0.5, eps, *k_cache.stride()[1:3], *v_cache.stride()[1:3], n_head,
+    _attend_new_token[(n_kv, splits)](qkv, *norms, rope, k_cache, v_cache, input_pos, input_pos if row is None else row,
+                                      out, *pieces, chunk, head_dim ** -0.5, eps, *k_cache.stride()[:3],
+                                      *v_cache.stride()[:3], n_head,
                                       n_kv, HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                                      BLOCK_S=block_s, SPLITS=splits, QK_NORM=q_norm is not None, PDL=pdl,
+                                      BLOCK_S=block_s, SPLITS=splits, QK_NORM=q_norm is not None, ROW=row is not None,
+                                      PDL=pdl,
                                       num_warps=warps, **launch)
     if splits > 1:
         _combine[(n_head,)](*pieces, out, HEAD_DIM=head_dim, SPLITS=splits, PDL=pdl, **launch)
@@ -79,9 +82,11 @@ def launch_config(bsz: int, n_kv: int, slots: int, target: int = TARGET_PROGRAMS
     return block_s, splits, warps
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, target: int = TARGET_PROGRAMS) -> Tensor:
-    """q [B, heads, 1, head_dim]; k, v [B, kv_heads, slots, head_dim] (views of a cache); row b
-    sees slots 0..input_pos[b] (input_pos [1] shared, or [B, 1]).
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, target: int = TARGET_PROGRAMS,
+                     rows: Tensor | None = None) -> Tensor:
+    """q [B, heads, 1, head_dim]; k, v [B, kv_heads, slots, head_dim] (views of a cache), or with
+    `rows` [B] the whole cache [rows, kv_heads, slots, head_dim] of which sequence b reads row
+    rows[b]; sequence b sees slots 0..input_pos[b] (input_pos [1] shared, or [B, 1]).
     Returns [B, 1, heads * head_dim], softmax(q k^T / sqrt(head_dim)) v per head."""
     bsz, n_head, _, head_dim = q.shape
     n_kv, slots = k.shape[1], k.shape[2]
@@ -97,8 +102,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, target:
     if splits > 1:
         m = torch.empty(bsz, n_head, splits, dtype=torch.float32, device=q.device)
         pieces = m, torch.empty_like(m), torch.empty(bsz, n_head, splits, head_dim, dtype=torch.float32, device=q.device)
-    _attend_piece[(bsz * n_kv, splits)](q, k, v, pos, 1 if pos.numel() > 1 else 0, out, *pieces, chunk, head_dim ** -0.5,
-                                        *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], n_kv, **common)
+    _attend_piece[(bsz * n_kv, splits)](q, k, v, pos, 1 if pos.numel() > 1 else 0, pos if rows is None else rows, out,
+                                        *pieces, chunk, head_dim ** -0.5, *q.stride()[:2], *k.stride()[:3],
+                                        *v.stride()[:3], n_kv, ROWS=rows is not None, **common)
     if splits > 1:
         _combine[(bsz * n_head,)](*pieces, out, HEAD_DIM=head_dim, SPLITS=splits, PDL=pdl, **launch)
     return out
@@ -107,11 +113,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, target:
 if triton is not None:
 
     @triton.jit
-    def _attend_piece(q_ptr, k_ptr, v_ptr, pos_ptr, pos_stride, out_ptr, m_ptr, l_ptr, acc_ptr, chunk, scale,
+    def _attend_piece(q_ptr, k_ptr, v_ptr, pos_ptr, pos_stride, rows_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, chunk, scale,
                       q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
                       n_kv,
                       HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                      SPLITS: tl.constexpr, PDL: tl.constexpr):
+                      SPLITS: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
         """One (sequence, kv head, piece of slots): the GROUP query heads of that kv head over
         the piece's live slots, online softmax; the piece's max, sum and weighted values
         (or, as the only piece, the output)."""
@@ -129,8 +135,11 @@ if triton is not None:
         length = tl.load(pos_ptr + b * pos_stride) + 1
         start = piece * chunk
         end = tl.minimum(start + chunk, length)
-        k_base = k_ptr + b * k_stride_b + kv * k_stride_h
-        v_base = v_ptr + b * v_stride_b + kv * v_stride_h
+        row = b
+        if ROWS:
+            row = tl.load(rows_ptr + b).to(tl.int64)  # the cache row holding this sequence
+        k_base = k_ptr + row * k_stride_b + kv * k_stride_h
+        v_base = v_ptr + row * v_stride_b + kv * v_stride_h
         m, total, acc = _no_slots(BLOCK_G, HEAD_DIM)
         m, total, acc = _over_slots(q, k_base, v_base, k_stride_s, v_stride_s, start, end, scale, m, total, acc,
                                     HEAD_DIM, BLOCK_S)
@@ -196,10 +205,11 @@ if triton is not None:
         return tl.interleave(a * cos - b * sin, b * cos + a * sin).to(DTYPE)
 
     @triton.jit
-    def _attend_new_token(qkv_ptr, qn_ptr, kn_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                          chunk, scale, eps, k_stride_h, k_stride_s, v_stride_h, v_stride_s, n_head, n_kv,
+    def _attend_new_token(qkv_ptr, qn_ptr, kn_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, row_ptr, out_ptr, m_ptr, l_ptr,
+                          acc_ptr, chunk, scale, eps, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h,
+                          v_stride_s, n_head, n_kv,
                           HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                          SPLITS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                          SPLITS: tl.constexpr, QK_NORM: tl.constexpr, ROW: tl.constexpr, PDL: tl.constexpr):
         """`_attend_piece` for one sequence whose new token is still in its projection: the
         GROUP query heads of kv head `kv` and the new k/v are derived here; the cache's slots
         before the new position are read from it, the new one's k/v come from registers."""
@@ -227,6 +237,10 @@ if triton is not None:
         cached = tl.minimum(end, pos)  # the cache's slots up to the new position, whose k/v are not in it yet
         k_base = k_ptr + kv * k_stride_h
         v_base = v_ptr + kv * v_stride_h
+        if ROW:  # written before the step, like the position
+            row = tl.load(row_ptr).to(tl.int64)
+            k_base += row * k_stride_b
+            v_base += row * v_stride_b
         s = start + tl.arange(0, BLOCK_S)
         first_live = s < cached
         first_at = s[:, None] * k_stride_s + d[None, :]

@@ -58,6 +58,16 @@ class KernelAttention(Attention):
             return decode_attention.decode_attention(q, k, v, input_pos)
         return super().over(q, k, v, input_pos, live, mask)
 
+    def over_rows(self, q: Tensor, rows: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
+        """`over` for sequences in the cache rows `rows` [B] names (any rows, in any order):
+        the kernel reads them where they are; elsewhere they are gathered first."""
+        cache = self.kv_cache
+        k, v = cache.k[:, :, :live], cache.v[:, :, :live]
+        if mask is not None and q.shape[2] == 1 and decode_attention.usable(q, k, v):
+            return decode_attention.decode_attention(q, k, v, input_pos, rows=rows)
+        k, v = cache.read(live, rows, q.shape[0])
+        return super().over(q, k, v, input_pos, live, mask)
+
 
 class KernelBlock(TransformerBlock):
     """`TransformerBlock` whose decode steps run on `compiled` halves: ((pre, post) for one row,
@@ -92,22 +102,23 @@ class KernelBlock(TransformerBlock):
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None,
                 row: int | Tensor = 0) -> Tensor:
-        if self.compiled is not None and x.shape[1] == 1 and isinstance(row, int) and row == 0:
-            return self.decode_step(x, rope, input_pos, live, mask)
+        if self.compiled is not None and x.shape[1] == 1 and (isinstance(row, Tensor) or row == 0):
+            return self.decode_step(x, rope, input_pos, live, mask, row if isinstance(row, Tensor) else None)
         if self.prefill_compiled is None or x.shape[1] == 1:
             return super().forward(x, rope, input_pos, live, mask, row)
         pre, post = self.prefill_compiled
         q, k, v = pre(self, x, rope)
         return post(self, x, self.attention.attend(q, k, v, input_pos, live, mask, row))
 
-    def decode_step(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None) -> Tensor:
-        """S new positions (one; two for `KernelDualAR.forward_fast_pair`) of cache rows 0..B-1
-        on the compiled halves: the first also writes the step's k/v into the cache, attention
-        runs between them."""
+    def decode_step(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None = None,
+                    rows: Tensor | None = None) -> Tensor:
+        """S new positions (one; two for `KernelDualAR.forward_fast_pair`) of cache rows 0..B-1,
+        or of the cache rows `rows` [B] names (the batching engine's slots), on the compiled
+        halves: the first also writes the step's k/v into the cache, attention runs between them."""
         if self.compiled is None:
-            return self(x, rope, input_pos, live, mask)
+            return self(x, rope, input_pos, live, mask, 0 if rows is None else rows)
         if self.compiled[x.shape[0] > 1] is None:
-            return self._decode_row(x, rope, input_pos, live, mask)
+            return self._decode_row(x, rope, input_pos, live, mask, rows=rows)
         if x.shape[0] > 1:
             # The number of positions is part of each graph: dynamo, having seen one and then two,
             # would otherwise generalise the halves to any number (as it does the batch), and on
@@ -115,16 +126,20 @@ class KernelBlock(TransformerBlock):
             for t, dim in ((x, 1), (rope, rope.dim() - 3), (input_pos, input_pos.dim() - 1)):
                 torch._dynamo.mark_static(t, dim)
         pre, post = self.compiled[x.shape[0] > 1]
-        q = pre(self, x, rope, input_pos)
-        k, v = self.attention.kv_cache.read(live, 0, x.shape[0])
-        return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
+        if rows is None:
+            q = pre(self, x, rope, input_pos)
+            k, v = self.attention.kv_cache.read(live, 0, x.shape[0])
+            return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
+        q = pre(self, x, rope, input_pos, rows)
+        return post(self, x, self.attention.over_rows(q, rows, input_pos, live, mask))
 
-    def _pre_attention_writing(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
-        """`_pre_attention`, then k/v into cache rows 0..B-1 at input_pos ([S], or [B, 1]).
-        The rows are named by a tensor, so the write indexes the whole cache rather than a
-        slice of it: inductor then writes in place (fused with RoPE) instead of copying the cache."""
+    def _pre_attention_writing(self, x: Tensor, rope: Tensor, input_pos: Tensor, rows: Tensor | None = None) -> Tensor:
+        """`_pre_attention`, then k/v into cache rows 0..B-1 (or `rows`) at input_pos ([S], or
+        [B, 1]). The rows are named by a tensor, so the write indexes the whole cache rather than
+        a slice of it: inductor then writes in place (fused with RoPE) instead of copying the cache."""
         q, k, v = self._pre_attention(x, rope)
-        rows = torch.arange(x.shape[0], device=x.device)
+        if rows is None:
+            rows = torch.arange(x.shape[0], device=x.device)
         self.attention.kv_cache.write(input_pos.view(-1, x.shape[1]), k, v, rows)
         return q
 
@@ -136,8 +151,8 @@ class KernelBlock(TransformerBlock):
         return split_products.split_product(gated, self.feed_forward.w2.weight, h, self.split_counts)
 
     def _decode_row(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None,
-                    cache_only: bool = False) -> Tensor:
-        """A decode step of one row (cache row 0) as five kernels of our own, each with the work
+                    cache_only: bool = False, rows: Tensor | None = None) -> Tensor:
+        """A decode step of one row (cache row 0, or the one `rows` [1] names) as five kernels of our own, each with the work
         around it fused: norm and wqkv; QK-norm, RoPE, the cache write and attention over the
         row's live slots (plus a kernel combining its pieces over long caches); wo and the
         residual; norm and w13; SwiGLU, w2 and the residual (not with `cache_only`). Where the
@@ -150,10 +165,10 @@ class KernelBlock(TransformerBlock):
             q_norm, k_norm = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
             y = decode_attention.attend_new_token(qkv, a.n_head, a.n_local_heads, q_norm, k_norm,
                                                   a.q_norm.eps if a.q_norm is not None else 0.0, rope, cache.k, cache.v,
-                                                  input_pos, live)
+                                                  input_pos, live, row=rows)
         else:
             q, k_new, v_new = a.heads(qkv, rope)
-            y = a.attend(q, k_new, v_new, input_pos, live, mask)
+            y = a.attend(q, k_new, v_new, input_pos, live, mask, 0 if rows is None else rows)
         if cache_only:  # the caller needs only the cache's new entries
             return x
         h = attached_product(self, "wo", y, res=x)
@@ -211,9 +226,9 @@ class KernelDualAR(DualARTransformer):
         its inputs through one compiled kernel and builds no mask (the kernels' attention masks
         by position itself)."""
         if (key_pos is not None and self.on_rows(tokens.shape[0]) and tokens.shape[-1] == 1
-                and isinstance(row, int) and row == 0 and row_products.usable(self.norm.weight)):
+                and (isinstance(row, Tensor) or row == 0) and row_products.usable(self.norm.weight)):
             x, rope = self.step_inputs_compiled(self, tokens, input_pos)
-            return self.run_slow(x, rope, input_pos, key_pos.shape[0], last=last)
+            return self.run_slow(x, rope, input_pos, key_pos.shape[0], row=row, last=last)
         return super().forward_slow(tokens, input_pos, live, key_pos, row, last)
 
     def prime_fast(self, hidden: Tensor) -> None:

@@ -11,6 +11,7 @@ from fish_sm.engine.batching import BatchEngine, CodecWorker, Job, Overloaded, T
 from fish_sm.engine.batching.runner import ModelRunner
 from fish_sm.engine.generate import HostCopy, admission_shape, to_device
 from fish_sm.engine.sampling import SamplingParams
+from fish_sm.errors import InputError
 
 TEXTS = [
     "Hello there.",
@@ -122,6 +123,23 @@ def test_streamed_pieces_concatenate_to_the_whole(tiny_checkpoint, voices):
     with torch.inference_mode():
         at_once = batcher.engine.codec.decode(whole.codes[None])[0].numpy()
     np.testing.assert_allclose(whole.audio, at_once, atol=1e-4)
+
+
+def test_streams_paced_to_their_listeners_give_the_codes_they_give_alone(tiny_checkpoint, alone, voices):
+    """Streams that yield whenever their listener has 0.1 s buffered decode at about real time,
+    taking turns in every order, and still give each request its own codes."""
+    jobs = [Job(**{**job.__dict__, "stream": True}) for job in mixed_jobs(voices)[:4]]
+    batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4,
+                          horizon_s=0.1)
+    t0 = time.perf_counter()
+    with batcher:
+        tickets = [batcher.submit(job) for job in jobs]
+        paced = [t.result() for t in tickets]
+    elapsed = time.perf_counter() - t0
+    for a, b in zip(alone, paced):
+        assert torch.equal(b.codes, a.codes)
+    longest = max(r.frames for r in paced) / (batcher.engine.codec.sample_rate / batcher.engine.frame_length)
+    assert elapsed > longest - 0.5, "the streams were decoded far ahead of their listeners"
 
 
 def test_overload_is_refused_at_once_and_cancel_frees_the_slot(tiny_checkpoint):
@@ -395,3 +413,59 @@ def test_host_copies_both_ways_keep_values_and_use_pinned_memory(device):
     assert on.device.type == device and torch.equal(on.cpu(), x)
     assert torch.equal(back.get(), x * 2)
     assert back.get().is_pinned() == (device == "cuda")
+
+
+SENTENCES = ["The first sentence is here.", "A second one follows it now.", "And the third ends it all."]
+
+
+def test_a_session_speaks_each_sentence_as_it_arrives_with_the_codes_of_the_long_text(tiny_checkpoint, solo):
+    """Sentences given one at a time (the session idle in between) give the codes of the same
+    sentences spoken as one long text, a chunk each, with the same seed; each sentence's audio
+    is its own codes decoded alone, followed by its ("spoken", i)."""
+    params = SamplingParams(seed=5, max_new_tokens=30)
+    whole = run_alone(solo, Job(" ".join(SENTENCES), chunk_length=30, params=params))
+    batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=2)
+    with batcher:
+        session = batcher.open_session(Job("", chunk_length=30, params=params, stream=True))
+        events = session.events()
+        heard: list[list] = [[] for _ in SENTENCES]
+        for i, sentence in enumerate(SENTENCES):
+            session.speak(sentence)
+            for kind, payload in events:  # this sentence's audio, then its end, before the next one is given
+                if kind == "audio":
+                    heard[i].append(payload)
+                if kind == "spoken":
+                    assert payload == i
+                    break
+                assert kind in ("admitted", "audio"), (kind, payload)
+        session.close()
+        rest = list(events)
+    assert [kind for kind, _ in rest] == ["done"]
+    assert torch.equal(rest[-1][1].codes, whole.codes)
+    start = 0
+    for pieces in heard:
+        audio = np.concatenate(pieces)
+        frames = len(audio) // batcher.engine.frame_length
+        with torch.inference_mode():
+            alone_audio = batcher.engine.codec.decode(whole.codes[None, :, start : start + frames])[0].numpy()
+        np.testing.assert_allclose(audio, alone_audio, atol=1e-4)
+        start += frames
+    assert start == whole.frames
+
+
+def test_a_cancelled_session_frees_its_slot_at_once(tiny_checkpoint):
+    batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=1, max_queue=1)
+    with batcher:
+        first = batcher.open_session(Job("", params=SamplingParams(seed=0, max_new_tokens=500), stream=True))
+        first.speak("A sentence long enough to be cut off while it is spoken.")
+        events = first.events()
+        assert next(events)[0] == "admitted"
+        assert next(events)[0] == "audio"
+        second = batcher.open_session(Job("Next, please.", params=SamplingParams(seed=1, max_new_tokens=8),
+                                          stream=True))  # waits: one slot
+        first.cancel()  # barge-in
+        second.close()
+        kinds = [kind for kind, _ in second.events()]
+    assert kinds[0] == "admitted" and kinds[-1] == "done" and "spoken" in kinds
+    with pytest.raises(InputError):
+        first.speak("")

@@ -45,3 +45,17 @@ def test_decode_attention_matches_sdpa(bsz, heads, kv_heads, head_dim, live, slo
 def test_decode_attention_is_not_used_without_triton_on_cuda():
     q = torch.zeros(1, 16, 1, 128, dtype=torch.bfloat16)
     assert not decode_attention.usable(q, q, q)  # CPU: SDPA computes the same sum
+
+
+@needs_gpu
+def test_decode_attention_reads_the_cache_rows_it_is_given():
+    """The batching engine's steps name their sequences' cache rows: any rows, in any order,
+    one repeated (padding), give what the same rows gathered first give."""
+    g = torch.Generator("cuda").manual_seed(0)
+    cache = [torch.randn(9, 8, 512, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
+    rows = torch.tensor([7, 2, 5, 8, 8], device="cuda")
+    q = torch.randn(5, 16, 1, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    input_pos = torch.tensor([[300], [17], [511], [0], [0]], device="cuda")
+    got = decode_attention.decode_attention(q, cache[0][:, :, :512], cache[1][:, :, :512], input_pos, rows=rows)
+    want = decode_attention.decode_attention(q, cache[0][rows], cache[1][rows], input_pos)
+    assert torch.equal(got, want)

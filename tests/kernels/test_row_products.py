@@ -207,6 +207,15 @@ def test_attention_from_the_projection_matches_the_model(heads, kv_heads, head_d
     for x, y in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
         assert (x.float() - y.float()).abs().max() <= 2 ** -7 * x.float().abs().max()
         assert y[:, :, pos + 1:].abs().sum() == 0 and y[1].abs().sum() == 0  # nothing else written
+    # The batching engine's one-row steps name their cache row: row 1 gets what row 0 got.
+    for c in caches[1:]:
+        c.k[1], c.v[1] = c.k[0].clone(), c.v[0].clone()
+        c.k[1, :, pos], c.v[1, :, pos] = 0, 0
+    row = torch.tensor([1], device="cuda")
+    again = decode_attention.attend_new_token(qkv, heads, kv_heads, *norms, 1e-6, rope, caches[1].k, caches[1].v, at,
+                                              slots, row=row)
+    assert torch.equal(again, got)
+    assert torch.equal(caches[1].k[1], caches[1].k[0]) and torch.equal(caches[1].v[1], caches[1].v[0])
 
 
 @needs_gpu

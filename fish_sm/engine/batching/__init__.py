@@ -12,12 +12,13 @@ codes into audio on its own CUDA stream, overlapping the decoding: pieces as fra
 arrive (streaming) or the whole utterance at the end.
 
 KV memory is allotted in slots, one sequence of `max_seq_len` each, as many as fit the free
-GPU memory. Active requests occupy slots 0..n-1 (a finishing request's slot is refilled
-by moving the last one into it), so a step runs the smallest captured batch size that holds
-them and its attention reads up to the longest one's bucketed length. A waiting queue
-of bounded length holds the rest; beyond it `submit` refuses at once (`Overloaded`).
+GPU memory. A request keeps its slot from admission to its end; each step names the slots it
+decodes, chosen for the listeners (a stream with enough audio buffered yields its turn), and
+runs the smallest captured batch size that holds them, its attention reading up to the
+longest one's bucketed length. A waiting queue of bounded length holds the rest; beyond it
+`submit` refuses at once (`Overloaded`).
 
-  request.py       Job, Ticket and its events, Overloaded, EngineStopped
+  request.py       Job, Ticket and its events, Session (text arriving while it speaks), Overloaded, EngineStopped
   scheduler.py     Scheduler: the waiting queue, slots, chunks of text, stop checks (no tensors)
   runner.py        ModelRunner: KV cache and step inputs, memory sizing, captured graphs, prefills, the decode step
   prefix_cache.py  PrefixCache: reference voices' prompt prefixes, prefilled once
@@ -28,9 +29,9 @@ of bounded length holds the rest; beyond it `submit` refuses at once (`Overloade
 from fish_sm.engine.batching.codec_worker import HOLD_S, SPARE_S, CodecWorker
 from fish_sm.engine.batching.engine import BatchEngine
 from fish_sm.engine.batching.prefix_cache import PrefixCache
-from fish_sm.engine.batching.request import EngineStopped, Event, Job, Overloaded, Ticket
+from fish_sm.engine.batching.request import EngineStopped, Event, Job, Overloaded, Session, Ticket
 from fish_sm.engine.batching.runner import PREFILL_TOKENS
 from fish_sm.engine.generate import batch_sizes
 
 __all__ = ["BatchEngine", "CodecWorker", "EngineStopped", "Event", "HOLD_S", "Job", "Overloaded", "PREFILL_TOKENS",
-           "PrefixCache", "SPARE_S", "Ticket", "batch_sizes"]
+           "PrefixCache", "SPARE_S", "Session", "Ticket", "batch_sizes"]

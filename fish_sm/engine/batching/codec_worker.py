@@ -72,6 +72,12 @@ class CodecWorker:
     def finish(self, ticket: Ticket, codes: list[np.ndarray]) -> None:
         self._queue.put([("finish", ticket, codes)])
 
+    def end_sentence(self, ticket: Ticket, index: int) -> None:
+        """A session's sentence `index` ends with the frames handed over so far: its last piece
+        is decoded as such, ("spoken", index) follows its audio, and the next sentence starts
+        a codec stream of its own."""
+        self._queue.put([("sentence", ticket, index)])
+
     def cancel(self, ticket: Ticket) -> None:
         self._queue.put([("cancel", ticket, None)])
 
@@ -136,6 +142,9 @@ class CodecWorker:
         entry = self._streams.setdefault(key, _Audio(ticket))
         if kind == "frame":
             entry.frames.append(codes)
+        elif kind == "sentence":
+            entry.sentences.append([len(entry.frames) - sum(n for n, _ in entry.sentences), codes])
+            self._sentences_done(entry)
         else:
             entry.finished, entry.all_codes = time.perf_counter(), codes
 
@@ -148,7 +157,9 @@ class CodecWorker:
         now = time.perf_counter()
         for entry in self._streams.values():
             n = self.codec.next_frames(entry.stream)
-            if len(entry.frames) >= n or (entry.finished and entry.frames):
+            if entry.sentences:  # a sentence's last piece may be short
+                n = min(n, entry.sentences[0][0])
+            if (n and len(entry.frames) >= n) or (entry.finished and entry.frames):
                 # By scheduled length, what a piece costs (a last, shorter piece is padded to it),
                 # so streams ending together go a batch at a time and first pieces go between.
                 ready.setdefault(n, []).append(entry)
@@ -164,7 +175,17 @@ class CodecWorker:
         for (entry, _), samples in zip(group, self._decode_group(group)):
             if samples is not None:
                 self._deliver(entry, samples)
+                if entry.sentences:
+                    entry.sentences[0][0] -= n
+                    self._sentences_done(entry)
         return True
+
+    def _sentences_done(self, entry: "_Audio") -> None:
+        """Sentences whose audio is all out: their end is said, the next starts a new codec stream."""
+        while entry.sentences and entry.sentences[0][0] <= 0:
+            _, index = entry.sentences.pop(0)
+            entry.stream = CodecStream()
+            entry.ticket.emit("spoken", index)
 
     def _held(self, n: int, entries: list["_Audio"], now: float) -> bool:
         """Whether a group of ready pieces of length `n` waits: fewer than a batch, none held
@@ -173,7 +194,7 @@ class CodecWorker:
         never wait; nor a request whose whole audio is wanted at its end)."""
         if self.hold_s <= 0 or len(entries) >= self.codec.rows_for(n):
             return False
-        return all(e.ticket.job.stream and not e.finished and now < e.ready_since + self.hold_s
+        return all(e.ticket.job.stream and not e.finished and not e.sentences and now < e.ready_since + self.hold_s
                    and e.spare(now) > self.spare_s for e in entries)
 
     def _next_due(self) -> float | None:
@@ -258,6 +279,8 @@ class _Audio:
     ready_since: float = 0.0  # when its next piece's frames were all there (0: not yet)
     playing_since: float = 0.0  # its first audio (streamed)
     given_s: float = 0.0  # audio streamed so far, in seconds
+    # A session's ended sentences not yet all decoded: [frames of it still in `frames`, its index]
+    sentences: list = field(default_factory=list)
 
     def spare(self, now: float) -> float:
         """Seconds of streamed audio a listener who began at the first piece has not reached yet."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ from fish_sm.engine.engine import Engine, check_text
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.engine.batching.codec_worker import CodecWorker
 from fish_sm.engine.batching.prefix_cache import PrefixCache
-from fish_sm.engine.batching.request import EngineStopped, Event, Job, Ticket
+from fish_sm.engine.batching.request import EngineStopped, Event, Job, Session, Ticket
 from fish_sm.engine.batching.runner import ModelRunner
 from fish_sm.engine.batching.scheduler import Queued, Request, Schedule, Scheduler
 
@@ -36,7 +37,8 @@ class BatchEngine:
 
     def __init__(self, engine: Engine, max_batch: int = 64, max_queue: int | None = None,
                  prefix_cache: int = 8, memory_fraction: float = 0.9, first_piece: int = 4, largest_piece: int = 64,
-                 codec_precision: str = "auto", forced_lengths: bool = False):
+                 codec_precision: str = "auto", forced_lengths: bool = False, horizon_s: float = 2.0,
+                 step_rows: int = 0):
         self.engine, self.model = engine, engine.model
         self.device = engine.device
         self._codec = CodecWorker(engine, first_piece, largest_piece, codec_precision)
@@ -44,8 +46,11 @@ class BatchEngine:
         self.runner = ModelRunner(engine, max_batch, memory_fraction, prefix_cache, self._codec.codec.working_bytes)
         slots = self.runner.slots
         # forced_lengths: benchmarks only (FISH_SM_BENCHMARK_LENGTHS), see Scheduler.
+        codec = engine.codec
         self.scheduler = Scheduler(slots, slots if max_queue is None else max_queue, self.model.im_end_id,
-                                   self.runner.new_generator, forced_lengths)
+                                   self.runner.new_generator, forced_lengths,
+                                   frame_rate=codec.sample_rate / codec.frame_length, horizon_s=horizon_s,
+                                   pieces=(first_piece, largest_piece), step_rows=step_rows)
         self._lock = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -84,8 +89,9 @@ class BatchEngine:
     # -- lifecycle ------------------------------------------------------------------
 
     def compile(self) -> None:
-        """Capture the decode step for every batch size and attention bucket, the admissions
-        and the codec (CUDA), now rather than on a request."""
+        """Capture the decode step for the small batch sizes and every attention bucket, their
+        admissions and the codec (CUDA), now rather than on a request; the larger batch sizes
+        are captured between steps once serving (`ModelRunner.capture_next`)."""
         if self.device.type != "cuda":
             return
         seconds = self.runner.capture()
@@ -94,9 +100,16 @@ class BatchEngine:
         # The warm-up runs before each capture leave blocks cached: hand back what no graph holds.
         torch.cuda.empty_cache()
         step = self.runner.captured
-        logger.info("batching: captured %d decode, %d admission and %d codec graphs in %.1f s; %.1f GiB of %.1f "
-                    "GiB free", len(step.graphs), len(step.admissions), len(self._codec.codec.graphs),
-                    seconds + time.perf_counter() - t0, *(b / 2**30 for b in torch.cuda.mem_get_info(self.device)))
+        logger.info("batching: captured %d decode, %d admission and %d codec graphs in %.1f s (batch sizes to %d; "
+                    "%d graphs more between steps); %.1f GiB of %.1f GiB free", len(step.graphs), len(step.admissions),
+                    len(self._codec.codec.graphs), seconds + time.perf_counter() - t0, self.runner.ready_sizes[-1],
+                    len(self.runner._to_capture), *(b / 2**30 for b in torch.cuda.mem_get_info(self.device)))
+
+    def capture_remaining(self) -> None:
+        """Capture now, before `start`, the graphs otherwise captured between steps (benchmarks
+        that time every batch size from the first step)."""
+        while self.runner.capturing:
+            self.runner.capture_next()
 
     def start(self) -> "BatchEngine":
         # The decode loop and the codec thread hand the GIL to each other many times a
@@ -143,6 +156,37 @@ class BatchEngine:
             self._lock.notify_all()
         return ticket
 
+    def open_session(self, job: Job, sink: Callable[[Event], None] | None = None) -> Session:
+        """Queue a session (`Session`): a streamed request whose sentences arrive by `speak`,
+        its job's text (if any) the first. Raises `Overloaded` as `submit` does."""
+        if not job.stream:
+            raise InputError("a session streams its audio: its job needs stream=True")
+        session = Session(job, sink, self._speak, self._close)
+        if job.text.strip():
+            session.texts.append(job.text.strip())
+        check_text("session", job.chunk_length)
+        with self._lock:
+            if not self.alive():
+                raise EngineStopped("the batching engine is not running")
+            self.scheduler.add(session)
+            self._lock.notify_all()
+        return session
+
+    def _speak(self, session: Session, text: str) -> None:
+        check_text(text, session.job.chunk_length)
+        with self._lock:
+            if session.closed:
+                raise InputError("the session is closed: it takes no more text")
+            if not self.alive():
+                raise EngineStopped("the batching engine is not running")
+            session.texts.append(text.strip())
+            self._lock.notify_all()
+
+    def _close(self, session: Session) -> None:
+        with self._lock:
+            session.closed = True
+            self._lock.notify_all()
+
     def alive(self) -> bool:
         """Both threads running: false for good once either has failed."""
         return (self._running and self._thread is not None and self._thread.is_alive() and self._codec.alive()
@@ -188,6 +232,10 @@ class BatchEngine:
                     first, step = self._execute(schedule)
                     self._update(pending + first)  # while `step` runs on the GPU
                     pending = step
+                    if self.runner.capturing:
+                        self.runner.capture_next()  # one graph between two steps
+                    elif not step and not first:
+                        self._wait_for_turn()
                 except Exception as exc:  # a failure of the shared step fails every request in it
                     logger.exception("batching step failed")
                     if self.device.type == "cuda" and isinstance(exc, torch.cuda.OutOfMemoryError):
@@ -205,6 +253,8 @@ class BatchEngine:
         None once the engine stops. Requests whose own set-up failed get their error here."""
         with self._lock:
             while self._running and not self.scheduler.has_work() and not pending:
+                if self.runner.capturing:
+                    break  # idle: capture the next graph (below, after an empty step)
                 self._lock.wait()
             if not self._running:
                 return None
@@ -215,6 +265,14 @@ class BatchEngine:
             ticket.emit("error", exc)
         return schedule
 
+    def _wait_for_turn(self) -> None:
+        """Nothing was decoded (every stream has its listener's horizon buffered): wait until the
+        first of them needs a frame, or new work arrives."""
+        with self._lock:
+            wait = self.scheduler.next_turn_in()
+            if self._running and wait > 0:
+                self._lock.wait(timeout=None if wait == math.inf else wait)
+
     def _execute(self, schedule: Schedule) -> tuple[list[Queued], list[Queued]]:
         """The model's work for one iteration: the admitted requests' sampling parameters into
         their slots, the prefills of the chunks that start (with their first frames), then one
@@ -224,7 +282,7 @@ class BatchEngine:
             self._admit(request)
         first = self._start_chunks(schedule.starting)
         rows = self.scheduler.decoding()
-        step = self.runner.decode(rows, self.scheduler.num_active)
+        step = self.runner.decode(rows)
         self.scheduler.advance(rows)
         return first, step
 
@@ -238,11 +296,18 @@ class BatchEngine:
                 continue
             if checked.codes is not None:
                 self._decoded.append((queued.request.ticket, checked.codes))
+            if checked.sentence_end:  # the sentence's frames, then its end, to the codec
+                self._hand_over()
+                self._codec.end_sentence(queued.request.ticket, queued.request.chunk)
             if checked.complete:
                 self._complete(queued.request)
         self._hand_over()
         for request in self.scheduler.cancelled():
             self._retire(request)
+        with self._lock:
+            ended = self.scheduler.ended_sessions()
+        for request in ended:
+            self._complete(request)
 
     def _admit(self, request: Request) -> None:
         request.ticket.timings["queue"] = time.perf_counter() - request.ticket.submitted
@@ -252,7 +317,7 @@ class BatchEngine:
     def _start_chunks(self, requests: list[Request]) -> list[Queued]:
         """Prefill each request's next chunk into its slot and sample that chunk's first frame
         (`ModelRunner.prefill`). A request whose prompt fails fails alone, after the others
-        started (retiring it moves another request's slot)."""
+        started."""
         failed, ready = [], []
         for request in requests:
             self.scheduler.next_chunk(request)
@@ -287,13 +352,10 @@ class BatchEngine:
         self._retire(request)
 
     def _retire(self, request: Request) -> None:
-        """Free the request's slot: the scheduler moves the last active request into it, the
-        runner copies that one's rows."""
+        """Free the request's slot at once (nothing else moves)."""
         if request.retired:
             return
-        move = self.scheduler.retire(request)
-        if move is not None:
-            self.runner.move(move)
+        self.scheduler.retire(request)
         if request.ticket.cancelled:
             self._codec.cancel(request.ticket)
         with self._lock:

@@ -40,7 +40,8 @@ class Job:
 
 # What a ticket's sink receives, in this order: ("admitted", None) when it leaves the queue
 # for a slot, ("audio", float32 samples) any number of times (once, when not streaming), then
-# ("done", Synthesis without audio) or ("error", exc); an error may also come first.
+# ("done", Synthesis without audio) or ("error", exc); an error may also come first. A session
+# also gets ("spoken", i) after the last audio of its i-th sentence.
 Event = tuple[str, object]
 
 
@@ -87,3 +88,26 @@ class Ticket:
                 summary = payload
         summary.audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
         return summary
+
+
+class Session(Ticket):
+    """A streamed request whose text arrives while it speaks (a voice agent's LLM writing it):
+    each `speak` is one more chunk, spoken in order, each conditioned on the one before as the
+    chunks of a long text are, its audio decoded as a codec stream of its own so it ends with
+    its sentence. The session holds its slot between sentences; `close` ends it once all is
+    spoken, `cancel` at once (barge-in). Made by `BatchEngine.open_session`."""
+
+    def __init__(self, job: Job, sink: Callable[[Event], None] | None, speak: Callable[["Session", str], None],
+                 close: Callable[["Session"], None]):
+        super().__init__(job, sink)
+        self.texts: list[str] = []  # the sentences so far (the engine's chunks of this request)
+        self.closed = False
+        self._speak, self._close = speak, close
+
+    def speak(self, text: str) -> None:
+        """Queue one more sentence (raises `InputError` for text the engine cannot take)."""
+        self._speak(self, text)
+
+    def close(self) -> None:
+        """No more text: the session ends once everything queued is spoken."""
+        self._close(self)

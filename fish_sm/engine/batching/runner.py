@@ -1,7 +1,13 @@
 """The batching engine's model side: the KV cache in slots and everything else a slot holds
 on the GPU (last frame, history, sampling parameters), memory sizing, the captured graphs,
 prefills and the decode step. It does what the scheduler decided, for the requests it is
-handed; a request's rows follow it when its slot changes (`move`).
+handed: a step names its requests' slots (any of them, in any order), so a request keeps its
+slot from admission to its end and nothing is copied when others come and go.
+
+The cache has one row more than there are slots: a scratch row that padded step rows and
+graph captures write into, so graphs can be captured while requests hold every slot. At
+start only the small batch sizes are captured (`capture`); the larger ones follow between
+steps (`capture_next`), steps larger than the largest captured one run as several replays.
 
 The prompt part made of reference voices is the same for every request that uses them:
 its KV cache is computed once and copied into a slot (`PrefixCache`), so admitting a
@@ -22,20 +28,25 @@ from torch import Tensor
 from fish_sm import kernels
 from fish_sm.engine.engine import Engine, request_generator
 from fish_sm.engine.generate import (GraphedStep, HostCopy, admission_shape, admission_shapes, attention_bucket,
-                                     batch_sizes, decode_frame, frame_budget, noise_size, sample_frame, to_device)
+                                     batch_sizes, decode_frame, frame_budget, length_buckets, noise_size, sample_frame,
+                                     to_device)
 from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.sampling import PENALTY_WINDOW, sampling_tensors
 from fish_sm.kernels import exponential_noise, noise_key
 from fish_sm.errors import FishSMError
-from fish_sm.model.dual_ar import cache_rows, copy_cache_rows
+from fish_sm.model.dual_ar import cache_rows
 from fish_sm.engine.batching.prefix_cache import PrefixCache
-from fish_sm.engine.batching.scheduler import Move, Queued, Request
+from fish_sm.engine.batching.scheduler import Queued, Request
 
 logger = logging.getLogger("fish_sm.batching")
 
 # Padded prompt tokens prefilled together: 32 short requests in one prefill, a few long ones.
 PREFILL_TOKENS = 4096
+# Batch sizes captured before serving; larger ones are captured between steps once serving.
+START_BATCH = 32
+# Most slots when FISH_SM_MAX_BATCH is 0 (as many as the memory holds).
+MOST_SLOTS = 1024
 
 
 class HostFrames:
@@ -61,14 +72,17 @@ class ModelRunner:
         self.rows = 1 + c.num_codebooks
         self.max_seq_len = model.max_seq_len
         self.slots = self._fit_slots(max_batch, memory_fraction, prefix_cache, codec_bytes)
-        model.setup_caches(self.slots, self.max_seq_len)
+        self.scratch = self.slots  # the cache row that padding and captures write into
+        model.setup_caches(self.slots + 1, self.max_seq_len)
         engine.drop_compiled()  # the sequential engine's graphs point at the old cache
         self.batch_sizes = batch_sizes(self.slots)
         dev = self.device
-        self.current = torch.zeros(self.slots, self.rows, dtype=torch.long, device=dev)  # each slot's last frame
-        self.history = torch.zeros(self.slots, self.rows, self.max_seq_len + PENALTY_WINDOW, dtype=torch.long, device=dev)
-        self.sampling = torch.ones(3, self.slots, 1, device=dev)  # temperature, top_p, penalty per slot
-        self.noise = torch.ones(self.slots, noise_size(model), device=dev)
+        cache_rows = self.slots + 1
+        self.current = torch.zeros(cache_rows, self.rows, dtype=torch.long, device=dev)  # each slot's last frame
+        self.history = torch.zeros(cache_rows, self.rows, self.max_seq_len + PENALTY_WINDOW, dtype=torch.long, device=dev)
+        self.sampling = torch.ones(3, cache_rows, 1, device=dev)  # temperature, top_p, penalty per slot
+        self.noise = torch.ones(self.slots, noise_size(model), device=dev)  # per row of a step
+        self.codebook_rows = torch.arange(self.rows, device=dev)
         # On CUDA a step's noise is one kernel keyed by each request's seed and frame number
         # (`kernels.exponential_noise`); on the CPU each request's generator draws it,
         # as the sequential engine does, so that the two give the same codes.
@@ -76,6 +90,8 @@ class ModelRunner:
         self.window_offsets = torch.arange(PENALTY_WINDOW, device=dev)
         self.prefixes = PrefixCache(prefix_cache)
         self.captured: GraphedStep | None = None  # the decode steps, first frames and admissions (CUDA, `capture`)
+        self.ready_sizes: list[int] = []  # batch sizes whose decode steps are captured for every bucket
+        self._to_capture: list[tuple] = []  # what `capture_next` captures, in order
         self.steps = 0
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int,
@@ -84,7 +100,8 @@ class ModelRunner:
         the prefix cache, the captured graphs and the codec's largest batch, `codec_bytes()`),
         at most `max_batch`."""
         if self.device.type != "cuda":
-            return max_batch
+            return max_batch if max_batch > 0 else 8
+        max_batch = max_batch if max_batch > 0 else MOST_SLOTS
         c, dtype = self.engine.config, self.engine.model.dtype
         per_token = 2 * c.n_layer * c.n_local_heads * c.head_dim * torch.finfo(dtype).bits // 8
         per_slot = per_token * self.max_seq_len + self.rows * (self.max_seq_len + PENALTY_WINDOW) * 8
@@ -92,7 +109,7 @@ class ModelRunner:
         torch.cuda.empty_cache()  # the measurement's blocks, cached, would count as used below and in `codec` too
         free, total = torch.cuda.mem_get_info(self.device)
         reserve = (1 - memory_fraction) * total + prefix_cache * per_token * self.max_seq_len // 4 + (2 << 30) + codec
-        fit = int((free - reserve) // per_slot)
+        fit = int((free - reserve) // per_slot) - 1  # and the scratch row
         if fit < 1:
             raise FishSMError(f"no room for a single {self.max_seq_len}-token KV cache on {self.device} "
                               f"({free / 2**30:.1f} GiB free); lower FISH_SM_MAX_SEQ_LEN")
@@ -104,18 +121,56 @@ class ModelRunner:
 
     # -- capture (CUDA) -----------------------------------------------------------------
 
-    def capture(self) -> float:
-        """Capture the decode step for every batch size and attention bucket, and the
-        admissions; returns the seconds from the first capture."""
-        step = GraphedStep(self.model, max_batch=self.slots)
+    def capture(self, start_batch: int = START_BATCH) -> float:
+        """Capture the decode step for every batch size up to `start_batch` and every attention
+        bucket, their first frames and admissions; the larger sizes are left to
+        `capture_next`. Returns the seconds from the first capture."""
+        step = GraphedStep(self.model, max_batch=self.slots, scratch_row=self.scratch)
         t0 = time.perf_counter()
-        step.capture_all(self.batch_sizes)
+        now = [b for b in self.batch_sizes if b <= start_batch]
+        step.capture_all(now)
+        self.ready_sizes = list(now)
         self._compile_admissions()
+        later = []
         for batch, width in admission_shapes(self.slots, self.max_seq_len, PREFILL_TOKENS):
-            step.capture_admission(batch, width)
+            if batch <= start_batch:
+                step.capture_admission(batch, width)
+            else:
+                later.append(("admission", batch, width))
         self.captured = step
         self._check_admissions()
+        # Between steps: each larger batch size's decode steps (all buckets), then its first frames,
+        # then the larger admissions.
+        for batch in self.batch_sizes:
+            if batch > start_batch:
+                buckets = length_buckets(self.max_seq_len)
+                self._to_capture += [("decode", batch, bucket, i == 0) for i, bucket in enumerate(buckets)]
+                self._to_capture.append(("first", batch))
+        self._to_capture += later
+        step.capture_error_mode = "thread_local"  # from now on the codec's thread uses the GPU beside captures
         return time.perf_counter() - t0
+
+    @property
+    def capturing(self) -> bool:
+        """Graphs are still to be captured between steps."""
+        return bool(self._to_capture)
+
+    @torch.inference_mode()
+    def capture_next(self) -> None:
+        """Capture the next graph left by `capture` (into the scratch row: no request's rows change)."""
+        kind, *args = self._to_capture.pop(0)
+        step = self.captured
+        if kind == "decode":
+            batch, bucket, warm_up = args
+            step.capture(batch, bucket, warm_up)
+        elif kind == "first":
+            step.capture_first(*args)
+            self.ready_sizes.append(args[0])  # its decode steps came just before
+        else:
+            step.capture_admission(*args)
+        if not self._to_capture:
+            logger.info("batching: every graph captured: %d decode, %d admission", len(step.graphs),
+                        len(step.admissions))
 
     @torch.inference_mode()
     def _check_admissions(self) -> None:
@@ -216,7 +271,10 @@ class ModelRunner:
 
     def _admission_shape(self, batch: int, width: int) -> tuple[int, int]:
         """The (batch, width) prompts from position 0 are padded to: a captured admission's on CUDA."""
-        return (batch, width) if self.captured is None else admission_shape(batch, width, self.slots, self.max_seq_len)
+        if self.captured is None:
+            return batch, width
+        shape = admission_shape(batch, width, self.slots, self.max_seq_len)
+        return shape if shape in self.captured.admissions else (batch, width)
 
     def _admission_inputs(self, group: list[tuple[Request, Tensor, int]]) -> tuple:
         """Tokens, positions, cache rows and last positions of the prompts' rests (after any
@@ -260,6 +318,8 @@ class ModelRunner:
         # index_fill_, not `history[rows] = 0`, which waits for the GPU's queued work.
         self.history.index_fill_(0, rows, 0)
         temperature, top_p, penalty = self.sampling[:, rows]
+        for r in requests:
+            self._settle_draws(r)
         if self.keyed_noise:
             keys = to_device(torch.tensor([self._next_noise_key(r) for r in requests]), dev)
             noise = exponential_noise(keys, torch.empty(len(requests), self.noise.shape[1], device=dev))
@@ -276,50 +336,67 @@ class ModelRunner:
 
     # -- the decode step ----------------------------------------------------------------
 
-    def decode(self, requests: list[Request], occupied: int) -> list[Queued]:
-        """Queue one frame for each of `requests`, in one step over the `occupied` slots 0..n-1."""
+    def decode(self, requests: list[Request]) -> list[Queued]:
+        """Queue one frame for each of `requests` (in their slots): one step of the smallest
+        captured batch size that holds them, or several of the largest captured."""
         if not requests:
             return []
-        batch = next(b for b in self.batch_sizes if b >= occupied)
-        pos, index, keys = [0] * batch, [0] * batch, [0] * batch
-        for r in requests:
-            pos[r.slot] = r.length + r.computed - 1  # where the last frame goes
-            index[r.slot] = r.computed - 1  # which frame of the chunk it is
+        most = self.ready_sizes[-1] if self.captured is not None else len(requests)
+        queued = []
+        for start in range(0, len(requests), most):
+            queued += self._decode_rows(requests[start : start + most])
+        self.steps += 1
+        return queued
+
+    def _decode_rows(self, requests: list[Request]) -> list[Queued]:
+        """One replay (or, without graphs, one eager step) for these requests; padding rows
+        name the scratch row."""
+        n = len(requests)
+        batch = n if self.captured is None else next(b for b in self.ready_sizes if b >= n)
+        slots, pos, index, keys = [self.scratch] * batch, [0] * batch, [0] * batch, [0] * batch
+        for i, r in enumerate(requests):
+            slots[i] = r.slot
+            pos[i] = r.length + r.computed - 1  # where the last frame goes
+            index[i] = r.computed - 1  # which frame of the chunk it is
             if self.keyed_noise:
-                keys[r.slot] = self._next_noise_key(r)
+                keys[i] = self._next_noise_key(r)
             else:
-                self.noise[r.slot].exponential_(1, generator=r.generator)
+                self.noise[i].exponential_(1, generator=r.generator)
         live = max(pos) + 1
         key_pos = self.model.positions[: attention_bucket(self.max_seq_len, live)]
-        pos_index = to_device(torch.tensor([pos, index, keys]), self.device)
-        input_pos, frame_index = pos_index[0], pos_index[1]
+        inputs = to_device(torch.tensor([slots, pos, index, keys]), self.device)
+        rows, input_pos, frame_index = inputs[0], inputs[1], inputs[2]
         if self.keyed_noise:
-            exponential_noise(pos_index[2], self.noise[:batch])
+            exponential_noise(inputs[3], self.noise[:batch])
         start = (frame_index - PENALTY_WINDOW).clamp(min=0)
         columns = (start[:, None] + self.window_offsets)[:, None, :].expand(batch, self.rows, PENALTY_WINDOW)
-        window = self.history[:batch].gather(2, columns)
-        temperature, top_p, penalty = self.sampling[:, :batch]
-        args = (self.model, self.current[:batch], input_pos, window, self.noise[:batch], temperature, top_p, penalty)
-        out = decode_frame(*args, key_pos=key_pos) if self.captured is None else self.captured(*args, key_pos=key_pos)
-        self.history[:batch].scatter_(2, frame_index.view(batch, 1, 1).expand(batch, self.rows, 1), out[:, :, None])
-        self.current[:batch] = out
-        self.steps += 1
+        window = self.history[rows[:, None, None], self.codebook_rows[None, :, None], columns]
+        temperature, top_p, penalty = self.sampling[:, rows]
+        args = (self.model, self.current[rows], input_pos, window, self.noise[:batch], temperature, top_p, penalty)
+        if self.captured is None:
+            out = decode_frame(*args, key_pos=key_pos, rows=rows)
+        else:
+            out = self.captured(*args, key_pos=key_pos, rows=rows)
+        self.history[rows[:, None], self.codebook_rows[None, :], frame_index[:, None]] = out
+        self.current[rows] = out
         copy = HostFrames(out)
-        return [Queued(r, r.chunk, r.computed, r.slot, copy) for r in requests]
+        return [Queued(r, r.chunk, r.computed, i, copy) for i, r in enumerate(requests)]
+
+    def _settle_draws(self, request: Request) -> None:
+        """Draw (and drop) the noise the request's random stream owes (`Request.owed_draws`), so
+        that its next chunk draws what it would alone."""
+        for _ in range(request.owed_draws):
+            if self.keyed_noise:
+                request.draws += 1
+            else:
+                torch.empty(self.noise.shape[1], device=self.device).exponential_(1, generator=request.generator)
+        request.owed_draws = 0
 
     @staticmethod
     def _next_noise_key(request: Request) -> int:
         """The key of the request's next frame of noise (counting it drawn)."""
         request.draws += 1
         return noise_key(request.generator.initial_seed(), request.draws - 1)
-
-    def move(self, move: Move) -> None:
-        """Copy a request's rows (KV cache, history, last frame, sampling) into its new slot."""
-        src, slot, live = move
-        copy_cache_rows([block.attention.kv_cache for block in self.model.layers], slot, src, live)
-        self.history[slot] = self.history[src]
-        self.current[slot] = self.current[src]
-        self.sampling[:, slot] = self.sampling[:, src]
 
 
 def _prefill_groups(ready: list, padded: Callable[[int, int], tuple[int, int]] = lambda b, w: (b, w)) -> list[list]:
