@@ -43,7 +43,11 @@ class Settings:
     model_dir: str = ""  # the package to serve; set by `fish-sm serve` (MMS itself gets an empty directory)
     host: str = "0.0.0.0"  # the address deploy/serve listens on (all interfaces, inside a container)
     server: str = "batching"  # what deploy/serve runs: batching (aiohttp, continuous batching) | mms
-    max_batch: int = 64  # batching server: most requests decoded together per GPU (fewer if memory is short)
+    max_batch: int = 0  # batching server: most requests held per GPU; 0: as many as the GPU memory holds (8 on a CPU)
+    # batching server: seconds of audio a stream may have ahead of its listener before it yields
+    # its turn to others (0: every stream decodes at every step)
+    stream_horizon_s: float = 2.0
+    step_rows: int = 0  # batching server: most requests one decode step takes (0: every one that wants a frame)
     max_queue: int = 64  # batching server: requests that may wait for a slot; more get 503 + Retry-After
     prefix_cache: int = 8  # batching server: reference-voice prompt prefills kept on the GPU
     # batching server, streamed codec on a GPU: auto (the conv decoder in float16, the fronts' float32
@@ -57,6 +61,9 @@ class Settings:
     # max_new_tokens, so random weights (which stop at random frames) still load the GPU with
     # the lengths a capacity run intends. Never set it on a service: every request runs to its cap.
     benchmark_lengths: bool = False
+    # emf: one CloudWatch Embedded Metric Format line on stdout per request and every few seconds
+    # of server state (SageMaker ships stdout to CloudWatch Logs, which makes them metrics) | off
+    metrics: str = "emf"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
@@ -77,13 +84,17 @@ class Settings:
     def validate(self) -> None:
         choices = {"quantize": ("auto", "int8", "none"), "compile": ("auto", "true", "false"),
                    "dtype": ("auto", "bf16", "fp16", "fp32"), "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-                   "server": ("batching", "mms"), "codec_precision": ("auto", "float32")}
+                   "server": ("batching", "mms"), "codec_precision": ("auto", "float32"),
+                   "metrics": ("emf", "off")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{PREFIX}{name.upper()}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
-        for name in ("max_text_chars", "max_reference_bytes", "max_new_tokens", "max_batch", "max_lines"):
+        for name in ("max_text_chars", "max_reference_bytes", "max_new_tokens", "max_lines"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{PREFIX}{name.upper()} must be at least 1")
+        for name in ("max_batch", "step_rows", "stream_horizon_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{PREFIX}{name.upper()} must not be negative")
         if self.max_reference_seconds <= 0 or self.warmup < 0 or self.max_seq_len < 0:
             raise ConfigError(f"{PREFIX}MAX_REFERENCE_SECONDS must be positive, WARMUP and MAX_SEQ_LEN not negative")
         if self.max_queue < 0 or self.prefix_cache < 0:
@@ -116,4 +127,4 @@ def _parse(key: str, raw: str, type_name: str):
             return {"true": True, "false": False}[raw.lower()]
     except (ValueError, KeyError):
         raise ConfigError(f"{key}={raw!r} is not a valid {type_name}") from None
-    return raw.upper() if key.endswith("LOG_LEVEL") else raw.lower() if key.endswith(("QUANTIZE", "COMPILE", "DTYPE", "SERVER", "MANIFEST_SHA256")) else raw
+    return raw.upper() if key.endswith("LOG_LEVEL") else raw.lower() if key.endswith(("QUANTIZE", "COMPILE", "DTYPE", "SERVER", "MANIFEST_SHA256", "METRICS")) else raw

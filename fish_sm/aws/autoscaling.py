@@ -37,32 +37,79 @@ class Autoscaling:
 DEFAULT_TARGETS = {"concurrency": 2.0, "invocations": 60.0, "backlog": 2.0}
 METRIC_UNITS = {"concurrency": "concurrent requests per instance", "invocations": "invocations per instance a minute",
                 "backlog": "queued requests per instance"}
-# The batching server decodes up to FISH_SM_MAX_BATCH requests together on each GPU. Scaling
-# out at half of those slots keeps each stream fast and leaves room for a burst while new
-# instances start (minutes), before requests queue and, past FISH_SM_MAX_QUEUE, get 503: on
-# an H100 at 32 of 64 streams each stream still decodes at >= 6x real time with first audio
-# p95 ~0.12 s (0.3 s through HTTP); at 64, 4x and ~0.3 s (docs/benchmarks.md).
+# The batching server decodes up to FISH_SM_MAX_BATCH requests together on each GPU. Where its
+# GPU model has not been measured, scaling out at half of those slots keeps each stream fast and
+# leaves room for a burst while new instances start (minutes), before requests queue and, past
+# FISH_SM_MAX_QUEUE, get 503: on an H100 at 32 of 64 streams each stream still decodes at >= 6x
+# real time with first audio p95 ~0.12 s (0.3 s through HTTP); at 64, 4x and ~0.3 s
+# (docs/benchmarks.md).
 BATCH_TARGET_SHARE = 0.5
+# An unmeasured GPU whose slots are sized by memory: as many streams as the smallest GPUs keep fed.
+UNMEASURED_PER_GPU = 32
+# Where it has been measured (fish_sm.aws.capacity), the target is this share of what the GPUs
+# hold in flight at their measured capacity: scaling out at 70% leaves the other 30% for the
+# traffic that keeps arriving while a new instance starts, before the listeners underrun.
+CAPACITY_HEADROOM = 0.7
 
 
-def default_target(metric: str, *, gpus: int, env: dict[str, str] | None = None,
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def batching_target(*, gpus: int, gpu_model: str | None, batch: int) -> tuple[float, str]:
+    """The batching server's concurrency target per instance, and why.
+
+    SageMaker's concurrency metric counts requests in flight at the container; the batching
+    server paces each stream to its listener, so a stream is in flight for about as long as it
+    plays and the requests in flight at capacity are about the measured real-time streams, and
+    at most the FISH_SM_MAX_BATCH requests a GPU holds when that is set (0: slots by memory;
+    more wait in the queue, which costs first audio, and past FISH_SM_MAX_QUEUE get 503, so a
+    target above slots + queue would never be reached). The target is CAPACITY_HEADROOM of
+    that, x GPUs. A GPU model without a measurement (or an unknown one) falls back to
+    BATCH_TARGET_SHARE of FISH_SM_MAX_BATCH, or UNMEASURED_PER_GPU when slots are sized by memory.
+    """
+    from fish_sm.aws.capacity import measured_capacity
+
+    engines = max(gpus, 1)
+    found = measured_capacity(gpu_model) if gpus else None
+    if found is not None:
+        batch = batch or found.streams_per_gpu
+        per_gpu = min(found.streams_per_gpu, batch)
+        value = round(per_gpu * engines * CAPACITY_HEADROOM, 1)
+        bound = ("the measured streams" if found.streams_per_gpu <= batch
+                 else f"FISH_SM_MAX_BATCH {batch} decoding at once, fewer than the measured streams")
+        return value, (f"{CAPACITY_HEADROOM:.0%} of {_plural(gpus, gpu_model)} x {per_gpu} requests in flight at the "
+                       f"measured capacity: {found.streams_per_gpu} real-time streams per {gpu_model} under the SLO "
+                       f"({found.device}, {found.date}, {found.source}), in flight at most {bound}; headroom for "
+                       "traffic while a new instance starts")
+    where = _plural(gpus, "GPU") if gpus else "1 CPU engine"
+    if batch:
+        value = batch * engines * BATCH_TARGET_SHARE
+        why = (f"{BATCH_TARGET_SHARE:.0%} of the batching server's {batch * engines} slots: "
+               f"{where} x FISH_SM_MAX_BATCH {batch}")
+    else:
+        value = float(UNMEASURED_PER_GPU * engines)
+        why = (f"{UNMEASURED_PER_GPU} requests in flight per engine ({where}): the server sizes its slots by "
+               "memory at start (FISH_SM_MAX_BATCH 0)")
+    if gpus:
+        unknown = (f"the {gpu_model} GPU is not measured" if gpu_model
+                   else "the GPU model is unknown (--gpus N does not say it)")
+        why += (f"; {unknown}: `fish-sm capacity` measures one, and --target gives the measured figure")
+    return value, why
+
+
+def default_target(metric: str, *, gpus: int, gpu_model: str | None = None, env: dict[str, str] | None = None,
                    stock_container: bool = False) -> tuple[float, str]:
     """The target value when --target is not given, and a short reason to print.
 
-    Concurrency on our image: half of the batch slots (FISH_SM_MAX_BATCH x GPUs; a CPU
-    instance runs one engine). On the multi-model server, and for invocations a minute
-    (which depend on how long the texts are, so slots say little about them) or async
-    backlog: the fixed DEFAULT_TARGETS.
+    Concurrency on our image: from the GPU model's measured capacity (batching_target). On the
+    multi-model server, and for invocations a minute (which depend on how long the texts are,
+    so slots say little about them) or async backlog: the fixed DEFAULT_TARGETS.
     """
     env = env or {}
     server = server_kind(env, stock_container=stock_container)
     if metric == "concurrency" and server == "batching":
-        batch = max_batch(env)
-        engines = max(gpus, 1)
-        value = batch * engines * BATCH_TARGET_SHARE
-        where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "1 CPU engine"
-        return value, (f"{BATCH_TARGET_SHARE:.0%} of the batching server's {batch * engines} slots: "
-                       f"{where} x FISH_SM_MAX_BATCH {batch}")
+        return batching_target(gpus=gpus, gpu_model=gpu_model, batch=max_batch(env))
     if metric == "concurrency":
         why = ("the multi-model server (--stock-container, FISH_SM_SERVER=mms) answers one request at a time "
                "per GPU worker")
@@ -109,12 +156,13 @@ def make_autoscaling(*, instances: int, min_instances: int | None, max_instances
     return Autoscaling(lo, max_instances, float(target), metric, "given with --target")
 
 
-def with_target(scaling: Autoscaling | None, *, gpus: int, env: dict[str, str] | None = None,
-                stock_container: bool = False) -> Autoscaling | None:
+def with_target(scaling: Autoscaling | None, *, gpus: int, gpu_model: str | None = None,
+                env: dict[str, str] | None = None, stock_container: bool = False) -> Autoscaling | None:
     """`scaling` with its default target filled in (see default_target) when --target was not given."""
     if scaling is None or scaling.target is not None:
         return scaling
-    value, reason = default_target(scaling.metric, gpus=gpus, env=env, stock_container=stock_container)
+    value, reason = default_target(scaling.metric, gpus=gpus, gpu_model=gpu_model, env=env,
+                                   stock_container=stock_container)
     return dataclasses.replace(scaling, target=value, reason=reason)
 
 

@@ -17,15 +17,17 @@ from fish_sm.aws import AWSError, Log, quiet
 from fish_sm.aws.alarms import rollback_alarm_request
 from fish_sm.aws.autoscaling import (METRIC_UNITS, apply_autoscaling, remove_autoscaling, scalable_target,
                                      with_target)
-from fish_sm.aws.container import MANIFEST_ENV, check_settings, container_environment, stock_image_uri
+from fish_sm.aws.container import MANIFEST_ENV, check_settings, container_environment, server_kind, stock_image_uri
 from fish_sm.aws.deploy_request import DeployRequest, deployment_config, endpoint_config_request, model_request
 from fish_sm.aws.endpoints import describe_endpoint, endpoint_config, wait_endpoint
 from fish_sm.aws.images import check_image
-from fish_sm.aws.instances import instance_gpus
+from fish_sm.aws.monitoring import Monitoring, apply_monitoring
+from fish_sm.aws.instances import GPUs, instance_hardware
 from fish_sm.aws.naming import new_stamp, rollback_alarm_name
 from fish_sm.aws.package import package_manifest
 from fish_sm.aws.s3 import S3Uri, head_object
 from fish_sm.aws.session import AWS, error_code
+from fish_sm.cloudwatch_metrics import ENDPOINT_ENV
 from fish_sm.errors import InputError
 
 
@@ -52,6 +54,7 @@ class Checked:
     image: str
     gpus: int
     pinned: dict[str, str]
+    gpu_model: str | None = None  # EC2's name for the GPUs ("H100"); None with --gpus or none
 
 
 def check_before_creating(aws: AWS, req: DeployRequest, log: Log = quiet) -> Checked:
@@ -59,7 +62,8 @@ def check_before_creating(aws: AWS, req: DeployRequest, log: Log = quiet) -> Che
     instance type and its GPUs, the image in ECR, and the model data as a fish-sm package."""
     req.validate()
     check_settings(req.env)
-    gpus = req.gpus if req.gpus is not None else instance_gpus(aws, req.instance_type)
+    hardware = GPUs(req.gpus) if req.gpus is not None else instance_hardware(aws, req.instance_type)
+    gpus = hardware.count
     if req.stock_container and req.image is None:
         image = stock_image_uri(aws.region_name, req.instance_type)
     else:
@@ -68,7 +72,8 @@ def check_before_creating(aws: AWS, req: DeployRequest, log: Log = quiet) -> Che
     manifest = read_manifest(aws, req.model_data, log)
     if manifest is not None and req.stock_container:
         check_offline_start(json.loads(manifest), req, log)
-    return Checked(image, gpus, pinned_manifest(manifest, req.model_data, req.env.get(MANIFEST_ENV), log))
+    return Checked(image, gpus, pinned_manifest(manifest, req.model_data, req.env.get(MANIFEST_ENV), log),
+                   hardware.model)
 
 
 def read_manifest(aws: AWS, uri: S3Uri, log: Log) -> bytes | None:
@@ -116,8 +121,10 @@ def pinned_manifest(manifest: bytes | None, uri: S3Uri, given: str | None, log: 
 
 
 def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 15.0,
-           timeout_s: float = 2 * 3600, log: Log = quiet) -> DeployResult:
-    """Create the endpoint, or update it blue/green with auto-rollback; then autoscaling when waited."""
+           timeout_s: float = 2 * 3600, log: Log = quiet, monitoring: Monitoring | None = None) -> DeployResult:
+    """Create the endpoint, or update it blue/green with auto-rollback; then autoscaling when waited.
+    With `monitoring`, the container learns the endpoint's name (its metrics' EndpointName) and the
+    dashboard and health alarms are made once the endpoint is created or updated."""
     req.validate()
     if req.autoscaling is not None and not wait:
         raise InputError("autoscaling can only be attached once the endpoint is InService: leave out --no-wait")
@@ -128,12 +135,14 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
         hint = f"run `fish-sm delete {req.name}` first" if status == "Failed" else "wait until it is InService"
         raise AWSError(f"endpoint {req.name} is {status}{f' ({reason})' if reason else ''}; {hint}")
     checked = check_before_creating(aws, req, log)
-    scaling = with_target(req.autoscaling, gpus=checked.gpus, env=req.env, stock_container=req.stock_container)
+    scaling = with_target(req.autoscaling, gpus=checked.gpus, gpu_model=checked.gpu_model, env=req.env,
+                          stock_container=req.stock_container)
     if scaling is not None:
         log(f"autoscaling target: {scaling.target:g} {METRIC_UNITS[scaling.metric]}"
             + (f" ({scaling.reason})" if scaling.reason else ""))
     # The user's --env wins, as every --env does (a FISH_SM_MANIFEST_SHA256 given was checked above).
-    env = container_environment({**checked.pinned, **req.env}, stock_container=req.stock_container,
+    named = {ENDPOINT_ENV: req.name} if monitoring is not None else {}
+    env = container_environment({**checked.pinned, **named, **req.env}, stock_container=req.stock_container,
                                 gpus=checked.gpus)
     image, ami = checked.image, req.inference_ami(checked.gpus)
 
@@ -170,8 +179,12 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
             log(f"updating endpoint {req.name} blue/green (baking {req.bake_seconds} s, "
                 f"rolls back when {rollback_alarm_name(req.name)} fires)")
     except BaseException:
-        _discard(aws, made)  # nothing uses them yet: leave no half-made deploy behind
+        discard_made(aws, made)  # nothing uses them yet: leave no half-made deploy behind
         raise
+    if monitoring is not None:
+        for line in apply_monitoring(aws, req.name, server_kind(req.env, stock_container=req.stock_container),
+                                     monitoring, is_async=req.async_options is not None, tags=tags):
+            log(line)
 
     result = DeployResult(action, model_name, config_name, image, checked.gpus, ami,
                           env.get(MANIFEST_ENV))
@@ -183,7 +196,8 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
     return result
 
 
-def _discard(aws: AWS, made: list[tuple[str, str]]) -> None:
+def discard_made(aws: AWS, made: list[tuple[str, str]]) -> None:
+    """Delete the endpoint configs and models a failed deploy made (best effort, newest first)."""
     for kind, resource in reversed(made):
         try:
             if kind == "config":

@@ -9,13 +9,18 @@ from fish_sm.aws.naming import check_name
 from fish_sm.aws.session import AWS, is_not_found
 
 
-def describe_endpoint(aws: AWS, name: str) -> dict | None:
+def describe_or_none(describe, **kwargs) -> dict | None:
+    """A SageMaker Describe* call's answer, or None when the resource does not exist."""
     try:
-        return aws.sagemaker.describe_endpoint(EndpointName=name)
+        return describe(**kwargs)
     except Exception as exc:
         if is_not_found(exc):
             return None
         raise
+
+
+def describe_endpoint(aws: AWS, name: str) -> dict | None:
+    return describe_or_none(aws.sagemaker.describe_endpoint, EndpointName=name)
 
 
 def require_endpoint(aws: AWS, name: str) -> dict:

@@ -85,3 +85,11 @@ def on_demand_price(aws: AWS, instance_type: str, region: str) -> Price:
                        "pass --price USD_PER_HOUR")
     usd, description = max(found)  # several listings of one hosting hour: the dearest, never an understatement
     return Price(usd, instance_type, region, description)
+
+
+def usd_per_audio_hour(usd_per_hour: float | None, audio_hours_per_instance_hour: float | None) -> float | None:
+    """What an hour of audio costs on an instance billed `usd_per_hour` that makes that much audio
+    an hour; None when either is unknown or nothing was made."""
+    if usd_per_hour is None or not audio_hours_per_instance_hour:
+        return None
+    return usd_per_hour / audio_hours_per_instance_hour

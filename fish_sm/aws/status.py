@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from fish_sm.aws.alarms import list_alarms
 from fish_sm.aws.autoscaling import scalable_target, scaling_policies
+from fish_sm.aws.components import component_status, is_component_endpoint, list_components
 from fish_sm.aws.endpoints import endpoint_config, require_endpoint
 from fish_sm.aws.naming import alarm_prefix
 from fish_sm.aws.session import AWS
 
 
 def status(aws: AWS, name: str) -> dict:
-    """What a user wants to see about an endpoint, as plain JSON-able data."""
+    """What a user wants to see about an endpoint, as plain JSON-able data. An endpoint of
+    inference components has no model of its own: its instance pool and components instead."""
     ep = require_endpoint(aws, name)
     cfg = endpoint_config(aws, ep)
     variant = (cfg.get("ProductionVariants") or [{}])[0]
@@ -21,7 +23,7 @@ def status(aws: AWS, name: str) -> dict:
         "instance_type": variant.get("InstanceType"),
         "instances": {"current": live.get("CurrentInstanceCount"), "desired": live.get("DesiredInstanceCount")},
         "created": str(ep.get("CreationTime")), "modified": str(ep.get("LastModifiedTime")),
-        "async": None, "autoscaling": None, "alarms": [],
+        "async": None, "autoscaling": None, "instance_pool": None, "components": None, "alarms": [],
     }
     if cfg.get("AsyncInferenceConfig"):
         oc = cfg["AsyncInferenceConfig"].get("OutputConfig", {})
@@ -40,6 +42,10 @@ def status(aws: AWS, name: str) -> dict:
             policies.append({"name": p["PolicyName"], "type": p["PolicyType"], "metric": metric,
                              "target": tt.get("TargetValue") if tt else None})
         out["autoscaling"] = {"min": target["MinCapacity"], "max": target["MaxCapacity"], "policies": policies}
+    if is_component_endpoint(cfg):
+        scaling = variant.get("ManagedInstanceScaling") or {}
+        out["instance_pool"] = {"min": scaling.get("MinInstanceCount"), "max": scaling.get("MaxInstanceCount")}
+        out["components"] = [component_status(aws, name, c) for c in list_components(aws, name)]
     out["alarms"] = [{"name": a["AlarmName"], "state": a.get("StateValue"), "metric": a.get("MetricName")}
                      for a in list_alarms(aws, alarm_prefix(name))]
     return out

@@ -110,7 +110,7 @@ def capacity(name, url, local, streams, duration, arrivals, seed, slo_first_audi
             instance_type, instances = cap.endpoint_hardware(aws, name)
         if gpus is None and instance_type:
             gpus = _instance_gpus(aws, instance_type, notes)
-        price_doc = _price(aws, instance_type, price, notes)
+        price_doc = instance_price(aws, instance_type, price, notes)
         lengths = ("forced by the server's benchmark setting (FISH_SM_BENCHMARK_LENGTHS)"
                    if (server or {}).get("benchmark_lengths") else
                    "stated forced (--forced-lengths)" if forced_lengths else
@@ -151,7 +151,7 @@ def _instance_gpus(aws, instance_type: str, notes: list[str]) -> int | None:
         return None
 
 
-def _price(aws, instance_type: str | None, price: float | None, notes: list[str]) -> dict | None:
+def instance_price(aws, instance_type: str | None, price: float | None, notes: list[str]) -> dict | None:
     """{"usd_per_hour", "source"}: --price, else the on-demand price of instance_type from the
     Pricing API; None with a note when neither is to be had."""
     if price is not None:

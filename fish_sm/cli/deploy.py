@@ -7,6 +7,7 @@ import json
 import click
 
 from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws, output_format_option
+from fish_sm.cli.deploy_components import component_options, component_request, run_component_deploy
 
 
 @main.command()
@@ -28,13 +29,19 @@ from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws, out
                    "al2023-ami-sagemaker-inference-gpu-4-1 (driver 580, CUDA 13.0, which fish-sm's image needs) on "
                    "GPU types, unset on CPU types; none: leave it to SageMaker (driver 535 or 550).")
 @click.option("--instances", type=int, default=1, show_default=True, help="Instances to start with.")
-@click.option("--min", "min_instances", type=int, help="Autoscaling minimum (default: --instances).")
-@click.option("--max", "max_instances", type=int, help="Autoscaling maximum; turns autoscaling on.")
+@click.option("--min", "min_instances", type=int,
+              help="Autoscaling minimum (default: --instances). With --components: the instance pool's minimum "
+                   "(default: 0 with --scale-to-zero, else --instances).")
+@click.option("--max", "max_instances", type=int,
+              help="Autoscaling maximum; turns autoscaling on. With --components: the instance pool's maximum "
+                   "(default: --instances), the room the components' copies (and rolling updates) have.")
 @click.option("--target", type=float,
               help="Target value of the scaling metric per instance. Default for concurrency: on fish-sm's image "
-                   "(the batching server) half of its batch slots, FISH_SM_MAX_BATCH (64 unless --env) x the "
-                   "instance's GPUs, e.g. 128 on ml.g5.12xlarge; with --stock-container or --env FISH_SM_SERVER=mms, "
-                   "2. Invocations: 60 a minute for every server (it depends on text length: measure req/s with "
+                   "(the batching server) 70% of the requests the instance's GPUs hold in flight at their measured "
+                   "capacity (a GPU model's real-time streams under the SLO, at most FISH_SM_MAX_BATCH each), e.g. "
+                   "358.4 on ml.p5.48xlarge (8 H100); for a GPU model not measured, half of its batch slots, "
+                   "FISH_SM_MAX_BATCH (64 unless --env) x GPUs, e.g. 128 on ml.g5.12xlarge; with --stock-container "
+                   "or --env FISH_SM_SERVER=mms, 2. Invocations: 60 a minute for every server (it depends on text length: measure req/s with "
                    "`fish-sm bench` and pass --target). Async backlog: 2.")
 @click.option("--metric", type=click.Choice(["concurrency", "invocations"]), default="concurrency", show_default=True,
               help="Real-time scaling metric: concurrent requests (high resolution; follows the server's slots) or "
@@ -46,7 +53,9 @@ from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws, out
 @click.option("--sns-success", metavar="ARN", help="Async: SNS topic told of each result.")
 @click.option("--sns-error", metavar="ARN", help="Async: SNS topic told of each failure.")
 @click.option("--max-concurrent", type=int, help="Async: requests one instance works on at once.")
-@click.option("--scale-to-zero", is_flag=True, help="Async: scale to 0 instances when idle, back up on a backlog.")
+@click.option("--scale-to-zero", is_flag=True,
+              help="Async: scale to 0 instances when idle, back up on a backlog. With --components: 0 copies (and "
+                   "instances) when idle, back up on the first call (--min-copies 0).")
 @click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE",
               help="Container environment, e.g. FISH_SM_COMPILE=false; FISH_SM_* settings are checked as the "
                    "server checks them. Repeatable.")
@@ -70,17 +79,37 @@ from fish_sm.cli.common import aws_options, friendly_errors, main, make_aws, out
               help="Updates: seconds the new fleet serves before the old one goes (rollback window).")
 @click.option("--rollback-errors", type=int, default=1, show_default=True,
               help="Updates: 5XX errors in a minute that trigger the rollback.")
+@click.option("--dashboard/--no-dashboard", default=True, show_default=True,
+              help="A CloudWatch dashboard fish-sm-NAME: the servers' metrics (first audio, occupancy, queue, "
+                   "rejections) and SageMaker's (invocations, model latency, 5XX).")
+@click.option("--alarms/--no-alarms", default=True, show_default=True,
+              help="CloudWatch alarms fish-sm/NAME/...: p99 first audio, 5XX rate and rejection rate over their "
+                   "thresholds in 3 of 5 minutes.")
+@click.option("--alarm-first-audio-ms", type=float, default=500.0, show_default=True,
+              help="The p99 first audio (ms, streamed requests) that sets off its alarm (the capacity SLO's).")
+@click.option("--alarm-5xx-rate", "alarm_error_rate", type=float, default=1.0, show_default=True,
+              help="The share of invocations answered 5XX (%) that sets off its alarm.")
+@click.option("--alarm-rejection-rate", type=float, default=1.0, show_default=True,
+              help="The share of requests turned away by a full server (%) that sets off its alarm.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until InService (needed for autoscaling).")
 @click.option("--poll", type=float, default=15.0, show_default=True, help="Seconds between status checks.")
+@component_options
 @output_format_option
 @aws_options
 @friendly_errors
 def deploy(name, model_data, role, image, stock_container, instance_type, gpus, ami_version, instances, min_instances,
            max_instances, target, metric, is_async, async_output, async_failure, sns_success, sns_error,
            max_concurrent, scale_to_zero, env_pairs, tag_pairs, subnets, security_groups, kms_key, network_isolation,
-           data_capture, data_capture_percent, startup_timeout, download_timeout, bake, rollback_errors, wait, poll,
-           output_format, region, profile, endpoint_url):
+           data_capture, data_capture_percent, startup_timeout, download_timeout, bake, rollback_errors, dashboard,
+           alarms, alarm_first_audio_ms, alarm_error_rate, alarm_rejection_rate, wait, poll, output_format, region,
+           profile, endpoint_url, **component_opts):
     """Create endpoint NAME, or update it blue/green with automatic rollback.
+
+    With --components (or --component C) NAME is a pool of instances holding inference
+    components: the first deploy creates it with component C (default NAME), later ones add a
+    component, or with --update replace one's model (rolling, with rollback); --min/--max then
+    bound the pool, --min-copies/--max-copies/--target scale the component's copies, and
+    --scale-to-zero (--min-copies 0) lets it idle at no instance.
 
     Autoscaling options give the wanted state: a deploy without --max (or --scale-to-zero)
     removes autoscaling the endpoint had. Before anything is made, deploy checks the FISH_SM_*
@@ -93,8 +122,12 @@ def deploy(name, model_data, role, image, stock_container, instance_type, gpus, 
     from fish_sm.aws.deploy_request import DataCapture, DeployRequest, make_async, parse_tags, split_ids
     from fish_sm.aws.s3 import parse_s3_uri
 
+    components = component_request(component_opts, is_async=is_async, scale_to_zero=scale_to_zero,
+                                    min_instances=min_instances, max_instances=max_instances, target=target,
+                                    metric=metric)
     async_only = {"--async-output": async_output, "--failure": async_failure, "--sns-success": sns_success,
-                  "--sns-error": sns_error, "--max-concurrent": max_concurrent, "--scale-to-zero": scale_to_zero or None}
+                  "--sns-error": sns_error, "--max-concurrent": max_concurrent,
+                  "--scale-to-zero": (scale_to_zero and components is None) or None}
     if not is_async:
         given = [flag for flag, v in async_only.items() if v is not None]
         if given:
@@ -116,8 +149,9 @@ def deploy(name, model_data, role, image, stock_container, instance_type, gpus, 
     request = DeployRequest(
         name=name, model_data=parse_s3_uri(model_data, what="--model-data", prefix=False), role=role,
         instance_type=instance_type, image=image, stock_container=stock_container, instances=instances, env=env,
-        autoscaling=make_autoscaling(instances=instances, min_instances=min_instances, max_instances=max_instances,
-                                     target=target, metric=metric, is_async=is_async, scale_to_zero=scale_to_zero),
+        autoscaling=None if components is not None else make_autoscaling(
+            instances=instances, min_instances=min_instances, max_instances=max_instances, target=target,
+            metric=metric, is_async=is_async, scale_to_zero=scale_to_zero),
         async_options=async_options, startup_timeout=startup_timeout, download_timeout=download_timeout,
         bake_seconds=bake, rollback_errors=rollback_errors, gpus=gpus, ami_version=ami_version,
         tags=parse_tags(tag_pairs), subnets=split_ids(subnets), security_groups=split_ids(security_groups),
@@ -127,7 +161,17 @@ def deploy(name, model_data, role, image, stock_container, instance_type, gpus, 
     def progress(line: str) -> None:  # with --output json, stdout holds only the result
         click.echo(line, err=as_json)
 
-    result = deploy_endpoint(make_aws(region, profile, endpoint_url), request, wait=wait, poll_s=poll, log=progress)
+    from fish_sm.aws.alarms import AlarmThresholds
+    from fish_sm.aws.monitoring import Monitoring
+
+    thresholds = AlarmThresholds(alarm_first_audio_ms, alarm_error_rate, alarm_rejection_rate)
+    thresholds.check()
+    monitoring = Monitoring(dashboard=dashboard, alarms=thresholds if alarms else None)
+    if components is not None:
+        return run_component_deploy(make_aws(region, profile, endpoint_url), request, components, wait=wait,
+                                    poll_s=poll, output_format=output_format, log=progress, monitoring=monitoring)
+    result = deploy_endpoint(make_aws(region, profile, endpoint_url), request, wait=wait, poll_s=poll, log=progress,
+                             monitoring=monitoring)
     if as_json:
         status = result.endpoint["EndpointStatus"] if result.endpoint else "Creating" if result.action == "created" \
             else "Updating"

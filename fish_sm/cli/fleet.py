@@ -40,7 +40,8 @@ def list_(output_format, region, profile, endpoint_url):
 @aws_options
 @friendly_errors
 def status(name, output_format, as_json, region, profile, endpoint_url):
-    """Show endpoint NAME: state, instances, async config, autoscaling, alarms."""
+    """Show endpoint NAME: state, instances, async config, autoscaling, alarms; for an endpoint of
+    inference components, each component's state, copies (current/desired) and autoscaling."""
     from fish_sm.aws.status import status as endpoint_status
 
     s = endpoint_status(make_aws(region, profile, endpoint_url), name)
@@ -49,7 +50,7 @@ def status(name, output_format, as_json, region, profile, endpoint_url):
         return
     click.echo(f"{s['name']}: {s['status']}" + (f" ({s['failure_reason']})" if s["failure_reason"] else ""))
     inst = s["instances"]
-    click.echo(f"  config {s['endpoint_config']}, model {s['model']}")
+    click.echo(f"  config {s['endpoint_config']}" + (f", model {s['model']}" if s["model"] else ""))
     click.echo(f"  {s['instance_type']}: {inst['current']} running, {inst['desired']} desired")
     if s["async"]:
         a = s["async"]
@@ -61,6 +62,23 @@ def status(name, output_format, as_json, region, profile, endpoint_url):
         for p in sc["policies"]:
             click.echo(f"    {p['name']} ({p['type']}" + (f", {p['metric']} target {p['target']:g}" if p["metric"] else "")
                        + ")")
+    if s.get("components") is not None:
+        pool = s["instance_pool"]
+        click.echo(f"  instance pool: {pool['min']}-{pool['max']} instances as the components' copies need")
+        for c in s["components"]:
+            copies = c["copies"]
+            per_copy = (f"{c['accelerators']:g} GPU, " if c["accelerators"] else "") + f"{c['memory_mb']} MB a copy"
+            click.echo(f"  component {c['name']}: {c['status']}, {copies['current']}/{copies['desired']} copies "
+                       f"(current/desired), model {c['model']}, {per_copy}"
+                       + (f" ({c['failure_reason']})" if c["failure_reason"] else ""))
+            if c["autoscaling"]:
+                sc = c["autoscaling"]
+                click.echo(f"    autoscaling {sc['min']}-{sc['max']} copies"
+                           + "".join(f"; {p['name']} ({p['type']}" + (f", {p['metric']} target {p['target']:g}"
+                                                                       if p["metric"] else "") + ")"
+                                     for p in sc["policies"]))
+        if not s["components"]:
+            click.echo(f"  no components yet: add one with `fish-sm deploy {s['name']} --component NAME ...`")
     for a in s["alarms"]:
         click.echo(f"  alarm {a['name']}: {a['state']}")
 
@@ -92,15 +110,33 @@ def logs(name, since, tail, follow, region, profile, endpoint_url):
 
 @main.command()
 @click.argument("name")
-@click.option("--instances", type=click.IntRange(min=0), required=True,
+@click.option("--instances", type=click.IntRange(min=0),
               help="Instances to run now (0 only for async endpoints). Autoscaling limits that exclude it are "
                    "widened to include it.")
+@click.option("--component", metavar="COMPONENT", help="An inference component of NAME, whose --copies to set.")
+@click.option("--copies", type=click.IntRange(min=0),
+              help="With --component: copies to run now (UpdateInferenceComponentRuntimeConfig; 0 scales it to "
+                   "zero). Autoscaling limits that exclude it are widened to include it.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the endpoint is InService again.")
 @click.option("--poll", type=float, default=15.0, show_default=True, help="Seconds between status checks.")
 @aws_options
 @friendly_errors
-def scale(name, instances, wait, poll, region, profile, endpoint_url):
-    """Set endpoint NAME's instance count now (UpdateEndpointWeightsAndCapacities)."""
+def scale(name, instances, component, copies, wait, poll, region, profile, endpoint_url):
+    """Set endpoint NAME's instance count now (UpdateEndpointWeightsAndCapacities), or with
+    --component C --copies N a component's copies."""
+    if component is not None or copies is not None:
+        if component is None or copies is None or instances is not None:
+            raise click.UsageError("give --component C with --copies N (and no --instances: a component "
+                                   "endpoint's instances follow its copies)")
+        from fish_sm.aws.components import scale_copies
+
+        s = scale_copies(make_aws(region, profile, endpoint_url), name, component, copies, wait=wait, poll_s=poll,
+                         log=click.echo)
+        c = s["copies"]
+        click.echo(f"{name} component {component}: {s['status']}, {c['current']} running, {c['desired']} desired")
+        return
+    if instances is None:
+        raise click.UsageError("give --instances N, or --component C --copies N")
     from fish_sm.aws.fleet import scale as scale_endpoint
 
     s = scale_endpoint(make_aws(region, profile, endpoint_url), name, instances, wait=wait, poll_s=poll,
@@ -117,7 +153,8 @@ def scale(name, instances, wait, poll, region, profile, endpoint_url):
 @aws_options
 @friendly_errors
 def delete(name, wait, poll, region, profile, endpoint_url):
-    """Delete endpoint NAME and its configs, models, autoscaling and alarms (safe to repeat)."""
+    """Delete endpoint NAME and its configs, models, autoscaling and alarms (safe to repeat); its
+    inference components first, waiting until they are gone."""
     from fish_sm.aws.delete import delete as delete_endpoint
 
     aws = make_aws(region, profile, endpoint_url)

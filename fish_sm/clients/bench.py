@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import fish_sm
+from fish_sm.aws.pricing import usd_per_audio_hour
 from fish_sm.clients.response import ServiceError, check_audio
 from fish_sm.contract import AUDIO_TYPES, STREAM_FORMATS
 from fish_sm.errors import InputError
@@ -192,13 +193,16 @@ def summarize(samples: list[Sample], wall_s: float, concurrency: int, max_error_
 def run_bench(target, *, concurrencies: list[int], requests_per_level: int, texts: list[dict],
               base: dict | None = None, accept: str = "audio/wav", warmup: int = 1, stream: bool = False,
               max_error_rate: float = 0.0, device: str = "unknown", server: dict | None = None,
-              log=lambda s: None) -> dict:
+              price: dict | None = None, instances: int = 1, instance_type: str | None = None,
+              notes: list[str] | None = None, log=lambda s: None) -> dict:
     """The whole benchmark: warm-up, then each level in turn; returns the report as plain data.
 
     stream: every request asks for a streamed answer, and each sample records its first audio.
     Every answer must be audio of the format asked for (base's "format", else accept's).
     max_error_rate: the fraction of a level's requests that may fail for it to pass.
     device, server: what the target runs on and what its /ping said, for the report.
+    price: {"usd_per_hour", "source"} of one instance (or None), on `instances` of `instance_type`:
+    each level then costs its instances' hours over the audio-hours it made (bench_cost).
     """
     if requests_per_level < 1:
         raise InputError(f"--requests must be at least 1, got {requests_per_level}")
@@ -237,5 +241,22 @@ def run_bench(target, *, concurrencies: list[int], requests_per_level: int, text
         "passed": all(lv["passed"] for lv in levels),
         "accept": accept, "stream": stream,
         "requests_per_level": requests_per_level, "texts": len(texts), "warmup": warmup, "levels": levels,
+        "cost": bench_cost(levels, price, instances, instance_type), "notes": list(notes or []),
         "samples": [asdict(s) for s in samples],
     }
+
+
+def bench_cost(levels: list[dict], price: dict | None, instances: int = 1, instance_type: str | None = None) -> dict:
+    """Dollars per audio-hour at each level (its usd_per_audio_hour, set here) and at the cheapest:
+    `instances` instances billed price["usd_per_hour"] each made the level's audio seconds a second.
+    Closed-loop clients keep the server as busy as the level's concurrency, so the cheapest level
+    is the cost at that load, not under a latency SLO (`fish-sm capacity` gives that)."""
+    usd = (price or {}).get("usd_per_hour")
+    for level in levels:
+        level["usd_per_audio_hour"] = usd_per_audio_hour(usd, level["audio_seconds_per_wall_second"] / instances)
+    priced = [lv for lv in levels if lv["usd_per_audio_hour"] is not None and lv.get("passed", True)]
+    best = min(priced, key=lambda lv: lv["usd_per_audio_hour"], default=None)
+    return {"instance_type": instance_type, "instances": instances, "usd_per_hour": usd,
+            "price_source": (price or {}).get("source"),
+            "usd_per_audio_hour": best["usd_per_audio_hour"] if best else None,
+            "at_concurrency": best["concurrency"] if best else None}

@@ -418,12 +418,20 @@ def run_capacity(target, *, levels: list[int], duration_s: float, mix: Mix, arri
 
 def endpoint_hardware(aws, name: str) -> tuple[str | None, int]:
     """(instance type, instances in service) of endpoint NAME's first instance-backed variant,
-    for its capacity per GPU and its price; (None, 1) for a serverless one."""
+    for its capacity per GPU and its price; (None, 1) for a serverless one, or when these
+    credentials may not describe it (then --instance-type or --price says it)."""
     from fish_sm.aws.endpoints import endpoint_config, require_endpoint
+    from fish_sm.clients.endpoint import denied
 
-    endpoint = require_endpoint(aws, name)
+    try:
+        endpoint = require_endpoint(aws, name)
+        variants = endpoint_config(aws, endpoint)["ProductionVariants"]
+    except Exception as exc:
+        if denied(exc):
+            return None, 1
+        raise
     live = {v["VariantName"]: v for v in endpoint.get("ProductionVariants", [])}
-    for variant in endpoint_config(aws, endpoint)["ProductionVariants"]:
+    for variant in variants:
         if "InstanceType" in variant:
             count = live.get(variant["VariantName"], {}).get("CurrentInstanceCount", variant.get("InitialInstanceCount"))
             return variant["InstanceType"], max(1, int(count or 1))

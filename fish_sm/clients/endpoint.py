@@ -1,5 +1,6 @@
 """A SageMaker endpoint: real-time InvokeEndpoint, InvokeEndpointWithResponseStream for
-streamed answers (PayloadPart events), and asynchronous inference through S3."""
+streamed answers (PayloadPart events), either on one inference component, waiting while a
+scaled-to-zero component gets a copy, and asynchronous inference through S3."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ SERVING_STATES = ("InService", "Updating", "SystemUpdating")
 _DENIED = ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "NotAuthorized")
 
 
-def _denied(exc: BaseException) -> bool:
+def denied(exc: BaseException) -> bool:
+    """The call was refused for want of permission (a role allowed only to invoke)."""
     return error_code(exc) in _DENIED
 
 
@@ -44,7 +46,7 @@ def endpoint_instances(aws: AWS, name: str) -> str:
     try:
         ep = require_endpoint(aws, name)
     except Exception as exc:
-        if _denied(exc):
+        if denied(exc):
             return "unknown"
         raise
     if ep["EndpointStatus"] not in SERVING_STATES:
@@ -53,7 +55,7 @@ def endpoint_instances(aws: AWS, name: str) -> str:
     try:
         variants = endpoint_config(aws, ep)["ProductionVariants"]
     except Exception as exc:
-        if _denied(exc):
+        if denied(exc):
             return "unknown"
         raise
     live = {v["VariantName"]: v for v in ep.get("ProductionVariants", [])}
@@ -68,57 +70,101 @@ def endpoint_instances(aws: AWS, name: str) -> str:
 
 
 class EndpointTarget:
-    """Real-time invoke_endpoint on one endpoint; safe to share across threads.
+    """Real-time invoke_endpoint on one endpoint (and one of its inference components); safe to
+    share across threads.
 
     Nothing is described first: a role allowed only to invoke can invoke (endpoint_problem
     explains a failure afterwards where it may)."""
 
-    def __init__(self, aws: AWS, name: str):
-        self.aws, self.name = aws, name
+    def __init__(self, aws: AWS, name: str, component: str | None = None):
+        self.aws, self.name, self.component = aws, name, component
 
     def __str__(self) -> str:
-        return f"endpoint {self.name}"
+        return f"endpoint {self.name}" + (f" component {self.component}" if self.component else "")
 
     def send(self, request: dict, accept: str = "audio/wav") -> Response:
         """invoke_endpoint; invoke_endpoint_with_response_stream when the request says "stream"."""
         data = json.dumps(request).encode()
+        call = dict(EndpointName=self.name, Body=data, ContentType="application/json", Accept=accept)
+        if self.component:
+            call["InferenceComponentName"] = self.component
         t0 = time.perf_counter()
         try:
             if request.get("stream"):
-                r = self.aws.runtime.invoke_endpoint_with_response_stream(
-                    EndpointName=self.name, Body=data, ContentType="application/json", Accept=accept)
+                r = self.aws.runtime.invoke_endpoint_with_response_stream(**call)
                 parts = (event["PayloadPart"].get("Bytes", b"") for event in r["Body"] if "PayloadPart" in event)
                 return stream_response(parts, r.get("ContentType", accept), t0, request.get("sample_rate"))
-            r = self.aws.runtime.invoke_endpoint(EndpointName=self.name, Body=data,
-                                                 ContentType="application/json", Accept=accept)
+            r = self.aws.runtime.invoke_endpoint(**call)
             body = r["Body"].read()
         except Exception as exc:
-            raise _runtime_error(exc, self.name) from None
+            raise _runtime_error(exc, self.name, self.component) from None
         return Response(body, r.get("ContentType", accept), time.perf_counter() - t0,
                         sample_rate=request.get("sample_rate"))
 
 
-def _runtime_error(exc: Exception, name: str) -> Exception:
+# The kind of ServiceError for a call that found a scaled-to-zero inference component with no copy.
+NO_CAPACITY = "no capacity"
+# While a copy starts (an instance, then the model's download and warm-up: minutes), retry at
+# growing intervals: soon at first, then no more than once a minute.
+CAPACITY_FIRST_DELAY_S = 5.0
+CAPACITY_MAX_DELAY_S = 60.0
+
+
+def send_when_capacity(target, request: dict, accept: str = "audio/wav", *, wait_s: float = 600.0,
+                       log: Log = quiet) -> Response:
+    """target.send, retried with exponential backoff for up to wait_s while the component has no
+    copy (SageMaker's alarm on that failed call is adding one); one line says it waits."""
+    t0 = None  # the wait starts at the first answer that there is no copy
+    delay = CAPACITY_FIRST_DELAY_S
+    said = False
+    while True:
+        try:
+            return target.send(request, accept)
+        except ServiceError as exc:
+            if exc.kind != NO_CAPACITY or wait_s <= 0:
+                raise
+            t0 = time.monotonic() if t0 is None else t0
+            waited = time.monotonic() - t0
+            if waited >= wait_s:
+                raise ServiceError(f"{target} still has no copy to serve the call after waiting {int(waited)} s; "
+                                   "try again later, or add copies with `fish-sm scale`",
+                                   NO_CAPACITY, exc.status) from None
+            if not said:
+                log(f"{target} has no copy running (scaled to zero): waiting up to {int(wait_s)} s for capacity, "
+                    "retrying with backoff")
+                said = True
+            time.sleep(min(delay, wait_s - waited))
+            delay = min(delay * 2, CAPACITY_MAX_DELAY_S)
+
+
+def _runtime_error(exc: Exception, name: str, component: str | None = None) -> Exception:
     """Map botocore errors from sagemaker-runtime to ServiceError with a kind for statistics.
 
     A stream that fails after it began raises ModelStreamError or InternalStreamFailure while
-    its events are read; those become ServiceErrors of that kind like any other code.
+    its events are read; those become ServiceErrors of that kind like any other code. A call that
+    finds an inference component with no copy is a ValidationError (SageMaker: "Inference Component
+    has no capacity to process this request"): kind NO_CAPACITY, which invoke waits out.
     """
+    what = f"endpoint {name}" + (f" component {component}" if component else "")
     code = error_code(exc)
+    if code in ("ValidationError", "ModelError") and "no capacity" in error_message(exc).lower():
+        return ServiceError(f"{what} has no copy to serve the call (scaled to zero); SageMaker adds one when "
+                            f"the component's no-capacity alarm fires, in minutes: {error_message(exc)}",
+                            NO_CAPACITY, 400)
     if code == "ModelError":
         status = exc.response.get("OriginalStatusCode")
         original = exc.response.get("OriginalMessage") or error_message(exc)
         text = error_text(original)
         # SageMaker relays the status and body, not the headers: the server's 503 says "retry after".
         kind = "rejected" if status == 503 and "retry after" in text.lower() else f"HTTP {status}"
-        return ServiceError(f"endpoint {name} answered {status}: {text}", kind, status)
+        return ServiceError(f"{what} answered {status}: {text}", kind, status)
     if code:
-        return ServiceError(f"endpoint {name}: {code}: {error_message(exc)}", code)
+        return ServiceError(f"{what}: {code}: {error_message(exc)}", code)
     name_ = type(exc).__name__
     if "Timeout" in name_:
-        return ServiceError(f"endpoint {name}: no answer in time ({exc})", "timeout")
+        return ServiceError(f"{what}: no answer in time ({exc})", "timeout")
     if "Connect" in name_:
-        return ServiceError(f"endpoint {name}: cannot connect ({exc})", "connection")
+        return ServiceError(f"{what}: cannot connect ({exc})", "connection")
     return exc
 
 
@@ -133,7 +179,7 @@ def invoke_async(aws: AWS, name: str, request: dict, accept: str = "audio/wav", 
         try:
             async_config = endpoint_config(aws, require_endpoint(aws, name)).get("AsyncInferenceConfig")
         except Exception as exc:
-            if _denied(exc):
+            if denied(exc):
                 raise AWSError(f"may not describe endpoint {name} to find its output bucket "
                                f"({error_code(exc)}): give --input-location s3://...") from None
             raise

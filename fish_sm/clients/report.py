@@ -23,10 +23,18 @@ TABLE_COLUMNS = ["conc", "ok/n", "p50 s", "p95 s", "p99 s", "req/s", "audio s/s"
 FIRST_AUDIO_COLUMNS = ["1st p50 ms", "1st p95 ms"]  # streamed runs: after the latency percentiles
 
 
+COST_COLUMN = "$/audio-h"  # priced runs: before rejected
+
+
+def _priced(report: dict) -> bool:
+    return (report.get("cost") or {}).get("usd_per_hour") is not None
+
+
 def table_columns(report: dict) -> list[str]:
-    if not report.get("stream"):
-        return TABLE_COLUMNS
-    return TABLE_COLUMNS[:5] + FIRST_AUDIO_COLUMNS + TABLE_COLUMNS[5:]
+    columns = TABLE_COLUMNS if not report.get("stream") else TABLE_COLUMNS[:5] + FIRST_AUDIO_COLUMNS + TABLE_COLUMNS[5:]
+    if _priced(report):
+        columns = columns[:-2] + [COST_COLUMN] + columns[-2:]
+    return columns
 
 
 THIN = "*"  # marks a percentile that rests on too few samples (the level's "warnings" say how few)
@@ -53,6 +61,8 @@ def table_rows(report: dict) -> list[list[str]]:
                _fmt(lv["rtf"]["p50"], ".3f"), str(lv.get("rejected", 0)), errors]
         if report.get("stream"):
             row[5:5] = [_fmt(first.get("p50"), ".0f"), cell(first.get("p95"), "first audio p95", ".0f")]
+        if _priced(report):
+            row[-2:-2] = [_fmt(lv.get("usd_per_audio_hour"), ".4f")]
         rows.append(row)
     return rows
 
@@ -69,11 +79,26 @@ def verdict_lines(report: dict) -> list[str]:
     table's marked percentiles rest on."""
     max_rate = report.get("settings", {}).get("max_error_rate", 0.0)
     lines = [level_verdict(lv, max_rate) for lv in report["levels"]]
+    lines += cost_lines(report)
     thin = [f"concurrency {lv['concurrency']}: {', '.join(lv['warnings'])}" for lv in report["levels"]
             if lv.get("warnings")]
     if thin:
         needs = ", ".join(f"{q} needs {n}" for q, n in MIN_SAMPLES.items())
         lines.append(f"{THIN} too few samples for the percentile ({needs}): " + "; ".join(thin))
+    return lines
+
+
+def cost_lines(report: dict) -> list[str]:
+    """The cost line (and the notes) of a bench run: $ per audio-hour at the cheapest passing level."""
+    cost = report.get("cost") or {}
+    lines = list(report.get("notes", []))
+    if cost.get("usd_per_audio_hour") is not None:
+        what = f"{cost['instances']} x {cost['instance_type']}" if cost.get("instance_type") else \
+            f"{cost['instances']} instance(s)"
+        lines.insert(0, f"cost: ${cost['usd_per_audio_hour']:.4f} per audio-hour at concurrency "
+                        f"{cost['at_concurrency']} ({what} at ${cost['usd_per_hour']:.4g}/h each"
+                        + (f", {cost['price_source']}" if cost.get("price_source") else "") + "); closed-loop load, "
+                        "not under a latency SLO: `fish-sm capacity` gives that")
     return lines
 
 

@@ -12,11 +12,14 @@ at once; a client that goes away frees its slot at the next step. The lines of a
 body go to the engine one at a time, each once the one before has a slot, so a long body
 never crowds other clients out of the queue. An engine whose thread failed fails the
 requests it held and turns `/ping` unhealthy for good: the platform replaces the instance.
+`GET /invocations-bidirectional-stream` is a WebSocket session for voice agents: text in as it
+is written, each sentence's audio out as it is decoded (`bidi.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
@@ -29,10 +32,13 @@ from fish_sm.engine.engine import freeze_start_up_objects
 from fish_sm.contract import SamplingParams
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.serving import audio as audio_out
+from fish_sm.serving import bidi
 from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error, start_up_failure
 from fish_sm.serving.runtime import (Prediction, ServerConfig, ServingModel, WARMUP_TEXT, check_model_dir,
                                      encode_prediction, load_model, resolve_reference)
 from fish_sm.serving.http import Limits, application, error_response, listening, read_body
+from fish_sm.serving.metrics import Metrics, RequestFigures
+from fish_sm.cloudwatch_metrics import STATE_INTERVAL_S
 from fish_sm.contract import AUDIO_TYPES, TTSRequest
 from fish_sm.serving.request import JSONLINES_ALIASES, check_accept, media_type, parse_body, response_format
 from fish_sm.settings import Settings
@@ -59,7 +65,8 @@ def start_worker(model_dir: Path, device: str, settings: Settings) -> Worker:
     model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device)
     batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
                           prefix_cache=settings.prefix_cache, codec_precision=settings.codec_precision,
-                          forced_lengths=settings.benchmark_lengths)
+                          forced_lengths=settings.benchmark_lengths, horizon_s=settings.stream_horizon_s,
+                          step_rows=settings.step_rows)
     if model.compiled:
         phase("compile", batcher.compile)
     batcher.start()
@@ -95,11 +102,13 @@ class BatchingApp:
         self.workers: list[Worker] = []
         self.failed: str | None = None
         self.stopping = asyncio.Event()
+        self.metrics = Metrics("batching", enabled=settings.metrics == "emf")
 
     # -- start-up -----------------------------------------------------------------------
 
     async def start(self, app: web.Application) -> None:
         app["loading"] = asyncio.create_task(self._load())
+        app["state_metrics"] = asyncio.create_task(self._report_state())
 
     async def _load(self) -> None:
         loop = asyncio.get_running_loop()
@@ -112,6 +121,7 @@ class BatchingApp:
                 workers.append(await loop.run_in_executor(None, start_worker, self.model_dir, device, self.settings))
             freeze_start_up_objects()
             self.workers = workers
+            self.metrics.state([w.batcher.load() for w in workers])  # the first, as soon as it serves
         except Exception as exc:
             self.failed, expected = start_up_failure(exc)
             if not expected:
@@ -120,6 +130,7 @@ class BatchingApp:
 
     async def stop(self, app: web.Application) -> None:
         app["loading"].cancel()
+        app["state_metrics"].cancel()
         for worker in self.workers:
             worker.batcher.stop()
 
@@ -137,7 +148,23 @@ class BatchingApp:
             doc["benchmark_lengths"] = True
         return web.json_response(doc)
 
+    async def _report_state(self) -> None:
+        """The engines' occupancy and queue as a metrics line every STATE_INTERVAL_S while serving."""
+        while self.metrics.enabled:
+            await asyncio.sleep(STATE_INTERVAL_S)
+            if self.workers:
+                self.metrics.state([w.batcher.load() for w in self.workers])
+
     async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """Answer the request, then write its metrics line (not for a client that left unanswered)."""
+        figures = request["figures"] = RequestFigures(status=0)
+        response = await self._invocations(request)
+        figures.status = figures.status or response.status
+        figures.rejected = response.status == 503 and "Retry-After" in response.headers  # full: see Busy
+        self.metrics.request(figures)
+        return response
+
+    async def _invocations(self, request: web.Request) -> web.StreamResponse:
         request["received"] = time.perf_counter()
         if not self.workers:
             return _error(HTTPError(503, "the model is still loading"))
@@ -214,6 +241,7 @@ class BatchingApp:
                     raise NoAudio()
                 else:
                     payload.audio = pieces[0]
+                    request["figures"].add_synthesis(payload.frames, payload.seconds, payload.rtf)
                     return payload
         finally:
             ticket.cancel()  # no-op once done; frees the slot if the client left
@@ -260,6 +288,7 @@ class BatchingApp:
                     if response is None:
                         raise engine_error(payload)
                     logger.error("stream failed after it started: %s", payload)
+                    request["figures"].status = 500  # the 200 went out; the stream is cut short
                     break  # the status is sent: ending the body early is all that is left
                 if response is None:
                     response = web.StreamResponse(headers={"Content-Type": kind if fmt == "wav" else
@@ -273,6 +302,7 @@ class BatchingApp:
                     await response.write(audio_out.pcm16(payload))
                     first_byte = first_byte or time.perf_counter()
                 else:
+                    request["figures"].add_synthesis(payload.frames, payload.seconds, payload.rtf)
                     break
             await response.write_eof()
             return response
@@ -317,6 +347,13 @@ def _log_request(request: web.Request, ticket, first_byte: float | None) -> None
         return f"{(accepted + t[key]) * 1e3:.0f} ms" if key in t else "-"
 
     outcome = "done" if "total" in t else "ended early"  # an error, or the client left
+    figures = request.get("figures")
+    if figures is not None:
+        figures.stream = figures.stream or ticket.job.stream
+        if "queue" in t:
+            figures.add_queue_wait(t["queue"] * 1e3)
+        if first_byte:
+            figures.first_audio_ms = (first_byte - received) * 1e3
     logger.info("%s %s: accepted %.0f ms, admitted %s, first frame %s, first audio %s, first byte %s, total %s",
                 "stream" if ticket.job.stream else "request", outcome, accepted * 1e3, ms("queue"), ms("first_frame"),
                 ms("first_audio"), f"{(first_byte - received) * 1e3:.0f} ms" if first_byte else "-", ms("total"))
@@ -333,6 +370,7 @@ def make_app(model_dir: Path, settings: Settings) -> web.Application:
     app = application(Limits.from_settings(settings))
     app.router.add_get("/ping", server.ping)
     app.router.add_post("/invocations", server.invocations)
+    app.router.add_get(bidi.PATH, functools.partial(bidi.bidirectional_stream, server))  # a WebSocket
     app.on_startup.append(server.start)
     app.on_cleanup.append(server.stop)
     app["server"] = server

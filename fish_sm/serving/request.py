@@ -41,7 +41,7 @@ def parse_body(body: bytes | str, content_type: str | None, settings: Settings) 
     if kind == TEXT:
         return [_checked({"text": body}, settings)]
     if kind == JSON or kind.endswith("+json"):
-        return [_checked(_load_json(body, "the request body"), settings)]
+        return [_checked(load_json(body, "the request body"), settings)]
     if kind in JSONLINES_ALIASES:
         lines = [(n, line) for n, line in enumerate(body.splitlines(), 1) if line.strip()]
         if not lines:
@@ -52,7 +52,7 @@ def parse_body(body: bytes | str, content_type: str | None, settings: Settings) 
         out = []
         for n, line in lines:
             try:
-                out.append(_checked(_load_json(line, f"line {n}"), settings))
+                out.append(_checked(load_json(line, f"line {n}"), settings))
             except HTTPError as exc:
                 raise HTTPError(exc.status, f"line {n}: {exc.message}") from None
             if out[-1].stream:
@@ -90,7 +90,7 @@ def _constant(name: str):
     raise _NumberTooLarge(f"{name}, which JSON does not allow")
 
 
-def _load_json(text: str, what: str):
+def load_json(text: str, what: str):
     try:
         return json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except json.JSONDecodeError as exc:

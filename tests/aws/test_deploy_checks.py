@@ -205,8 +205,10 @@ def test_the_options_reach_the_resources_in_moto(moto_url, package):
     for arn in (ep["EndpointArn"], cfg["EndpointConfigArn"], model["ModelArn"]):
         assert {t["Key"]: t["Value"] for t in sm.list_tags(ResourceArn=arn)["Tags"]} == wanted, arn
     cw = client(moto_url, "cloudwatch")
-    alarm, = cw.describe_alarms(AlarmNamePrefix="fish-sm/shaped/")["MetricAlarms"]
-    assert {t["Key"]: t["Value"] for t in cw.list_tags_for_resource(ResourceARN=alarm["AlarmArn"])["Tags"]} == wanted
+    alarms = cw.describe_alarms(AlarmNamePrefix="fish-sm/shaped/")["MetricAlarms"]
+    assert len(alarms) == 4  # rollback, first audio, 5XX rate, rejection rate
+    for alarm in alarms:
+        assert {t["Key"]: t["Value"] for t in cw.list_tags_for_resource(ResourceARN=alarm["AlarmArn"])["Tags"]} == wanted
     assert CliRunner().invoke(main, ["delete", "shaped", "--endpoint-url", moto_url]).exit_code == 0
 
 

@@ -176,8 +176,9 @@ def test_update_is_blue_green_with_rollback_alarm_and_reattaches_autoscaling(stu
     assert any("blue/green" in line and "invocation-5xx" in line for line in lines)
     assert any("removed scalable target" in line and "instance type changes from ml.g5.2xlarge" in line for line in lines)
     assert [line for line in lines if "] tts:" in line] == ["[00:00] tts: Updating", "[00:00] tts: InService"]
-    assert ("autoscaling target: 32 concurrent requests per instance "
-            "(50% of the batching server's 64 slots: 1 GPU x FISH_SM_MAX_BATCH 64)") in lines
+    assert ("autoscaling target: 32 concurrent requests per instance (32 requests in flight per engine (1 GPU): the "
+            "server sizes its slots by memory at start (FISH_SM_MAX_BATCH 0); the L40S GPU is not measured: "
+            "`fish-sm capacity` measures one, and --target gives the measured figure)") in lines
     for s in stubs.values():
         s.assert_no_pending_responses()
 
@@ -276,15 +277,15 @@ def test_default_targets_by_server_and_gpus():
                                    scale_to_zero=False)
         return with_target(scaling, gpus=gpus, **kwargs).target
 
-    assert target(4) == 4 * 64 * 0.5 == 128
-    assert target(1) == 32 and target(8) == 8 * 64 * 0.5
-    assert target(4, env={"FISH_SM_MAX_BATCH": "16"}) == 32
+    assert target(4) == 4 * 32 == 128  # slots by memory: 32 a GPU
+    assert target(1) == 32 and target(8) == 8 * 32
+    assert target(4, env={"FISH_SM_MAX_BATCH": "16"}) == 32  # half of the slots set
     assert target(4, stock_container=True) == DEFAULT_TARGETS["concurrency"] == 2.0
     assert target(4, env={"FISH_SM_SERVER": "MMS"}) == 2.0
     assert target(4, target=7) == 7.0
     assert target(4, metric="invocations") == 60.0  # depends on text length, not slots
     assert target(4, is_async=True) == 2.0  # async: backlog per instance
     value, why = default_target("concurrency", gpus=0)  # a CPU type runs one engine
-    assert value == 32 and "1 CPU engine x FISH_SM_MAX_BATCH 64" in why
-    with pytest.raises(InputError, match="--env: FISH_SM_MAX_BATCH must be at least 1"):
-        target(1, env={"FISH_SM_MAX_BATCH": "0"})
+    assert value == 32 and "per engine (1 CPU engine)" in why
+    with pytest.raises(InputError, match="--env: FISH_SM_MAX_BATCH must not be negative"):
+        target(1, env={"FISH_SM_MAX_BATCH": "-1"})

@@ -128,7 +128,7 @@ def test_deploy_status_invoke_transform_delete(moto_url, package, tmp_path):
     container = sm.describe_model(ModelName=variant["ModelName"])["PrimaryContainer"]
     assert container["Image"] == "123.dkr/fish-sm:1" and container["ModelDataUrl"] == model_data
     assert container["Environment"] == {"SAGEMAKER_CONTAINER_LOG_LEVEL": "20", "FISH_SM_COMPILE": "true",
-                                        "FISH_SM_DEFAULT_VOICE": "alice",
+                                        "FISH_SM_DEFAULT_VOICE": "alice", "SAGEMAKER_ENDPOINT_NAME": "tts-rt",
                                         "FISH_SM_MANIFEST_SHA256": hashlib.sha256(package[1]).hexdigest()}
     rid = "endpoint/tts-rt/variant/AllTraffic"
     target, = aa.describe_scalable_targets(ServiceNamespace="sagemaker", ResourceIds=[rid])["ScalableTargets"]
@@ -138,9 +138,13 @@ def test_deploy_status_invoke_transform_delete(moto_url, package, tmp_path):
     assert tt["TargetValue"] == 3.0
     assert tt["PredefinedMetricSpecification"]["PredefinedMetricType"] == \
         "SageMakerVariantConcurrentRequestsPerModelHighResolution"
-    alarm, = cw.describe_alarms(AlarmNamePrefix="fish-sm/tts-rt/")["MetricAlarms"]
-    assert alarm["AlarmName"] == "fish-sm/tts-rt/invocation-5xx" and alarm["MetricName"] == "Invocation5XXErrors"
+    alarms = {a["AlarmName"]: a for a in cw.describe_alarms(AlarmNamePrefix="fish-sm/tts-rt/")["MetricAlarms"]}
+    assert sorted(alarms) == ["fish-sm/tts-rt/5xx-rate", "fish-sm/tts-rt/first-audio-p99",
+                              "fish-sm/tts-rt/invocation-5xx", "fish-sm/tts-rt/rejection-rate"]
+    alarm = alarms["fish-sm/tts-rt/invocation-5xx"]
+    assert alarm["MetricName"] == "Invocation5XXErrors"
     assert {d["Name"]: d["Value"] for d in alarm["Dimensions"]} == {"EndpointName": "tts-rt", "VariantName": "AllTraffic"}
+    assert cw.get_dashboard(DashboardName="fish-sm-tts-rt")["DashboardName"] == "fish-sm-tts-rt"
 
     # Async on the stock container, scale to zero, SNS topics.
     printed = cli(moto_url, "deploy", "tts-async", "--model-data", model_data, "--role", ROLE, "--stock-container",
@@ -183,7 +187,7 @@ def test_deploy_status_invoke_transform_delete(moto_url, package, tmp_path):
     assert s["async"]["output"] == "s3://fish-sm-flow/async/out/" and s["async"]["max_concurrent"] == 2
     assert s["autoscaling"]["min"] == 0 and {p["name"] for p in s["autoscaling"]["policies"]} == \
         {"fish-sm-backlog", "fish-sm-wake-from-zero"}
-    assert {a["name"] for a in s["alarms"]} == {"fish-sm/tts-async/invocation-5xx",
+    assert {a["name"] for a in s["alarms"]} == {"fish-sm/tts-async/invocation-5xx", "fish-sm/tts-async/5xx-rate",
                                                  "fish-sm/tts-async/has-backlog-without-capacity"}
 
     # invoke: real-time, then async with a result and with a failure (moto's queued answers).
@@ -240,6 +244,7 @@ def test_deploy_status_invoke_transform_delete(moto_url, package, tmp_path):
     assert aa.describe_scalable_targets(ServiceNamespace="sagemaker")["ScalableTargets"] == []
     assert aa.describe_scaling_policies(ServiceNamespace="sagemaker")["ScalingPolicies"] == []
     assert cw.describe_alarms()["MetricAlarms"] == []
+    assert cw.list_dashboards()["DashboardEntries"] == []
     printed = cli(moto_url, "delete", "tts-rt")
     assert printed.startswith("nothing to delete: no endpoint tts-rt")
 
@@ -271,17 +276,24 @@ def test_redeploy_replaces_autoscaling_and_delete_leaves_other_endpoints(moto_ur
 
 
 def test_default_concurrency_target_follows_the_server(moto_url, package):
-    """Our image (batching server): half of FISH_SM_MAX_BATCH x GPUs (EC2's count); the one-request-per-GPU servers: 2."""
+    """Our image (batching server) on a GPU model not measured (EC2's T4) or unknown (--gpus): 32 a
+    GPU with slots by memory, or half of FISH_SM_MAX_BATCH x GPUs when set, saying so; the
+    one-request-per-GPU servers: 2. (moto's SageMaker knows no H100 type: the measured default is
+    test_default_target.py's.)"""
     s3, aa = client(moto_url, "s3"), client(moto_url, "application-autoscaling")
     s3.create_bucket(Bucket="fish-sm-targets")
     s3.put_object(Bucket="fish-sm-targets", Key="model.tar.gz", Body=package[0])
-    common = ["--model-data", "s3://fish-sm-targets/model.tar.gz", "--role", ROLE, "--instance-type", "ml.g4dn.12xlarge",
-              "--max", 3, "--poll", 0.01]
-    image = ["--image", "123.dkr/fish-sm:1"]
-    stock = ["--stock-container", "--image", DLC]
+    common = ["--model-data", "s3://fish-sm-targets/model.tar.gz", "--role", ROLE, "--max", 3, "--poll", 0.01]
+    image = ["--image", "123.dkr/fish-sm:1", "--instance-type", "ml.g4dn.12xlarge"]
+    stock = ["--stock-container", "--image", DLC, "--instance-type", "ml.g4dn.12xlarge"]
+    not_measured = "`fish-sm capacity` measures one, and --target gives the measured figure"
     cases = [
-        ("batching", [*image], 128.0, "(50% of the batching server's 256 slots: 4 GPUs x FISH_SM_MAX_BATCH 64)"),
+        ("batching", [*image], 128.0, "(32 requests in flight per engine (4 GPUs): the server sizes its slots by "
+                                      f"memory at start (FISH_SM_MAX_BATCH 0); the T4 GPU is not measured: {not_measured})"),
         ("batch-32", [*image, "--env", "FISH_SM_MAX_BATCH=32"], 64.0, "128 slots: 4 GPUs x FISH_SM_MAX_BATCH 32"),
+        ("gpus-given", [*image, "--gpus", 2], 64.0,
+         f"(2 GPUs): the server sizes its slots by memory at start (FISH_SM_MAX_BATCH 0); the GPU model is unknown "
+         f"(--gpus N does not say it): {not_measured}"),
         ("mms-env", [*image, "--env", "FISH_SM_SERVER=mms"], 2.0, "one request at a time per GPU worker"),
         ("stock", stock, 2.0, "one request at a time per GPU worker"),
         ("given", [*image, "--target", 10], 10.0, "(given with --target)"),

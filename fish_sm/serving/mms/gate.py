@@ -15,6 +15,11 @@ read whole here, within the body timeout and the size limit, before a connection
 model server is taken from a bounded pool: a client that stalls its upload holds none.
 The response is streamed back as it comes, and the model server's own errors (its
 `{"code", "type", "message"}` objects, or plain text) become our `{"error": message}`.
+
+Every answer writes its CloudWatch metrics line here (`serving.metrics`), as the batching
+server's do: the gate sees every request, those it or the model server turn away too, and the
+worker that answered adds its audio and the time it took the request in headers (see
+`serving.metrics.STARTED_HEADER`), which the client does not get.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from http import HTTPStatus
 from pathlib import Path
 
@@ -30,6 +36,7 @@ from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, C
 
 from fish_sm.serving.errors import HTTPError
 from fish_sm.serving.http import Limits, application, error_response, read_body
+from fish_sm.serving.metrics import WORKER_HEADERS, Metrics, RequestFigures
 from fish_sm.serving.request import JSON, JSONLINES_ALIASES, media_type
 
 logger = logging.getLogger("fish_sm.serving")
@@ -103,8 +110,9 @@ def is_utf8_text(content_type: str | None) -> bool:
 
 class Front:
     def __init__(self, backend: str, ready_dir: Path, workers: int, timeout: float, *, connections: int,
-                 connection_wait: float = CONNECTION_WAIT):
+                 connection_wait: float = CONNECTION_WAIT, metrics: Metrics | None = None):
         self.invocations_url = backend.rstrip("/") + "/invocations"
+        self.metrics = metrics or Metrics("mms", enabled=False)
         self.ready_dir, self.workers, self.connections = ready_dir, workers, connections
         # `connect` covers waiting for a free pooled connection as well as opening one.
         self.timeout = ClientTimeout(total=timeout, connect=connection_wait, sock_read=timeout)
@@ -123,6 +131,14 @@ class Front:
         return web.json_response({"status": "Loading" if not self.started else "Unhealthy"}, status=503)
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """Pass the request on, then write its metrics line (none for a client that left unanswered)."""
+        figures = RequestFigures(status=0)
+        response = await self._invocations(request, figures)
+        figures.status = response.status
+        self.metrics.request(figures)
+        return response
+
+    async def _invocations(self, request: web.Request, figures: RequestFigures) -> web.StreamResponse:
         try:
             body = await read_body(request)
         except HTTPError as exc:
@@ -133,15 +149,20 @@ class Front:
             except UnicodeDecodeError:
                 return error_response(400, "the request body is not UTF-8 text")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        forwarded_at = time.time()
         try:
             upstream = await self.session.post(self.invocations_url, data=body, headers=headers, timeout=self.timeout)
         except ConnectionTimeoutError:
+            figures.rejected = True
             return error_response(503, "the model server is busy: no connection to it came free in time; retry")
         except asyncio.TimeoutError:
             return error_response(504, "the model server did not answer in time")
         except ClientError as exc:
             return error_response(503, f"the model server is not reachable ({type(exc).__name__})")
         async with upstream:
+            # A 503 no worker took is the model server's own: no worker free and its queue full.
+            answered = figures.add_worker_answer(upstream.headers, forwarded_at)
+            figures.rejected = upstream.status == 503 and not answered
             if upstream.status >= 400:
                 return await _json_error(upstream)
             return await _relay(request, upstream)
@@ -160,7 +181,7 @@ async def _relay(request: web.Request, upstream: ClientResponse) -> web.StreamRe
     dropped) propagates, so aiohttp closes the client's connection on a visibly cut answer."""
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
     for k, v in upstream.headers.items():
-        if k.lower() not in _HOP_HEADERS:
+        if k.lower() not in _HOP_HEADERS and k.lower() not in WORKER_HEADERS:
             response.headers[k] = v
     if upstream.content_length is not None:
         response.content_length = upstream.content_length

@@ -15,6 +15,7 @@ from pathlib import Path
 from fish_sm.contract import TTSRequest
 from fish_sm.serving import runtime
 from fish_sm.serving.errors import bad_request
+from fish_sm.serving.metrics import AUDIO_HEADER, audio_header
 from fish_sm.serving.mms.errors import toolkit_errors
 from fish_sm.serving.request import JSONLINES_ALIASES, media_type, parse_body
 from fish_sm.serving.runtime import Prediction, ServingModel
@@ -65,6 +66,11 @@ def predict_fn(data: Batch, model: ServingModel, context=None) -> Prediction:
 
 
 def output_fn(prediction: Prediction, accept, context=None) -> tuple[bytes, str]:
-    """Encode the result for the Accept header; JSON Lines in, JSON Lines out."""
+    """Encode the result for the Accept header; JSON Lines in, JSON Lines out. The audio's figures
+    go in a response header, from which the mms server's gate writes the request's metrics line."""
     with toolkit_errors():
-        return runtime.encode_prediction(prediction, accept)
+        encoded = runtime.encode_prediction(prediction, accept)
+    figures = audio_header(prediction.results)
+    if figures is not None and hasattr(context, "set_response_header"):
+        context.set_response_header(0, AUDIO_HEADER, figures)
+    return encoded

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from sagemaker_inference.default_inference_handler import DefaultInferenceHandler
 from sagemaker_inference.transformer import Transformer
 
 from fish_sm.serving.errors import HTTPError, start_up_failure
+from fish_sm.serving.metrics import STARTED_HEADER
 from fish_sm.serving.mms import handler
 from fish_sm.serving.mms.errors import handle_error
 from fish_sm.serving.mms.gate import mark_failed, mark_ready
@@ -43,6 +45,9 @@ def handle(data, context):
     if data is None:
         _initialize(context)
         return None
+    # When this worker took the request, on every answer it gives: the gate's metrics line takes
+    # its queue wait from it, and its absence from a 503 says that the model server refused it.
+    context.set_response_header(0, STARTED_HEADER, f"{time.time():.6f}")
     # The Transformer hands the handler functions the context it was initialised with, not
     # this request's; so the Accept header is checked here, before any synthesis.
     props = context.request_processor[0].get_request_properties()

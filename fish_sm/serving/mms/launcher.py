@@ -32,6 +32,7 @@ from pathlib import Path
 
 from fish_sm.errors import ConfigError, FishSMError
 from fish_sm.serving.http import PAYLOAD_LIMIT, Limits, bind, listening
+from fish_sm.serving.metrics import Metrics
 from fish_sm.serving.mms.gate import READY_DIR_ENV, Front, load_failure, make_app
 from fish_sm.serving.mms.handler_service import MODEL_DIR_ENV
 from fish_sm.serving.runtime import ServerConfig, check_model_dir
@@ -139,7 +140,8 @@ def serve(cfg: ServerConfig) -> int:
             proc = subprocess.Popen(cmd, cwd=tmp, env=server_env(ready_dir, cfg.model_dir, tmp), start_new_session=True)
             try:
                 front = Front(f"http://127.0.0.1:{backend_port}", ready_dir, workers, cfg.response_timeout + 30,
-                              connections=JOB_QUEUE + workers)
+                              connections=JOB_QUEUE + workers,
+                              metrics=Metrics("mms", enabled=settings.metrics == "emf"))
                 failure = asyncio.run(_run_front(make_app(front, Limits.from_settings(settings)), cfg, public, proc,
                                                  stop, ready_dir))
             finally:

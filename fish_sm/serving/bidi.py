@@ -1,0 +1,345 @@
+"""`GET /invocations-bidirectional-stream`: a voice agent's text in, speech out, on one WebSocket.
+
+SageMaker's `InvokeEndpointWithBidirectionalStream` (HTTP/2 from the caller) reaches the
+container through a sidecar that opens a WebSocket to `ws://localhost:8080/invocations-bidirectional-stream`
+and relays each request part as a WebSocket data frame, "text (for UTF-8 data) or binary", and
+each frame the container sends back as a response part (AWS Machine Learning Blog, "Introducing
+bidirectional streaming for real-time inference on Amazon SageMaker AI", Nov 2025; AWS's sample
+container README adds: answer ping frames with pongs, which aiohttp does, and accept a connection
+within 250 ms). So a part's data type is the frame's opcode: UTF8 a text frame, BINARY a binary
+frame. AWS does not document how a part's completion state (PARTIAL/COMPLETE) appears on the
+WebSocket, and callers have seen text arrive as binary frames, so this protocol depends on
+neither: every frame is one whole message, a binary frame is read as UTF-8 text, and the end of
+the input is said in band (`{"end": true}`).
+
+The protocol, client to server:
+
+1. The first message is a JSON object with the fields of an `/invocations` body except "text":
+   "voice" or "reference", the sampling fields ("seed", "temperature", ..., "chunk_length") and
+   "format": "pcm" (default) or "wav". It is checked by the same code as `/invocations`
+   (`contract.parse_request`, `runtime.resolve_reference`); a bad one, or a full server (503),
+   gets an error message and the socket closes.
+2. Then text as the LLM writes it: any message not starting with "{" is text (split anywhere,
+   mid-word too). The server buffers it and speaks each complete sentence at once: one that
+   ends with . ! ? or … followed by whitespace or by the end of a message (not after a digit,
+   so a "3." that a "5" may follow waits), or with 。 ！ ？, or at a newline.
+3. Control messages, JSON objects: {"flush": true} speaks whatever is buffered now;
+   {"end": true} means no more text: the rest is spoken, then the server sends "done" and
+   closes; {"cancel": true} is barge-in: generation stops at the next step, the batch row is
+   freed, the server sends {"cancelled": true} and closes; {"text": "..."} is text (for text that
+   starts with "{"). A bad control message gets an error message and the session goes on.
+   A client that closes the socket cancels the session (nobody is left to listen).
+
+Server to client: {"ready": true, "sample_rate": R, "format": F} once the session is queued;
+binary frames of audio as it is decoded (16-bit little-endian mono PCM; for "wav" a WAV header
+of open length comes first, as a streamed `/invocations` answer starts); {"queued": i, "text": S,
+"part": k} when sentence i (0-based) goes to the engine, completed by the client's k-th text
+message (1-based; so a client can time its first audio from the moment it sent the sentence's
+end); {"spoken": i} after the last audio of sentence i; {"done": {...}} with the session's
+totals, then the close; {"error": message, "status": HTTP-like status} for a problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+
+from aiohttp import WSMsgType, web
+
+from fish_sm.contract import STREAM_FORMATS, RequestError, TTSRequest, parse_request
+from fish_sm.serving import audio as audio_out
+from fish_sm.serving.errors import HTTPError, engine_error
+from fish_sm.serving.request import load_json
+from fish_sm.serving.runtime import resolve_reference
+
+logger = logging.getLogger("fish_sm.serving")
+
+PATH = "/invocations-bidirectional-stream"
+CONTROLS = frozenset({"flush", "end", "cancel", "text"})
+# A sentence's end: . ! ? … before whitespace (or before the end of a message: see `sentences`),
+# a full-width 。！？ anywhere, a newline.
+_END_BEFORE_SPACE = re.compile(r"[.!?…](?=\s)|[。！？]|\n")
+_END_OF_MESSAGE = re.compile(r"(?<![0-9])[.!?…]\s*$")
+FIRST_MESSAGE_TIMEOUT_S = 60.0
+# The first message's JSON may carry a base64 reference recording.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class SentenceBuffer:
+    """Text as it arrives, cut into sentences as each one ends."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def add(self, piece: str) -> list[str]:
+        """Append a message's text; the sentences it completed."""
+        self.text += piece
+        out = []
+        while True:
+            match = _END_BEFORE_SPACE.search(self.text)
+            if match is None:
+                break
+            out.append(self.text[: match.end()])
+            self.text = self.text[match.end():]
+        if _END_OF_MESSAGE.search(self.text):
+            out.append(self.text)
+            self.text = ""
+        return [s.strip() for s in out if s.strip()]
+
+    def flush(self) -> list[str]:
+        rest, self.text = self.text.strip(), ""
+        return [rest] if rest else []
+
+
+class Closed(Exception):
+    """The session is over (ended, cancelled, failed, or the client left)."""
+
+
+class BidiSession:
+    """One WebSocket: the first message, then text and controls in, events out."""
+
+    def __init__(self, server, request: web.Request, ws: web.WebSocketResponse):
+        self.server, self.request, self.ws = server, request, ws
+        self.settings = server.settings
+        self.buffer = SentenceBuffer()
+        self.parts = 0  # text messages so far
+        self.sentences: list[str] = []
+        self.session = None
+        self.worker = None
+        self.opened = time.perf_counter()
+        self.first_audio: float | None = None
+        self.cancelled = False
+
+    async def error(self, message: str, status: int = 400) -> None:
+        if not self.ws.closed:
+            await self.ws.send_json({"error": message, "status": status})
+
+    # -- the first message ------------------------------------------------------------
+
+    async def open(self) -> bool:
+        """Read and check the first message, resolve the voice, open the engine session."""
+        if not self.server.workers:
+            await self.error("the model is still loading", 503)
+            return False
+        try:
+            msg = await self.ws.receive(timeout=FIRST_MESSAGE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await self.error(f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g} s", 408)
+            return False
+        if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+            return False  # closed before it began
+        try:
+            tts = self._settings_of(msg.data)
+            self.worker = self.server._least_busy()
+            loop = asyncio.get_running_loop()
+            reference = await loop.run_in_executor(None, resolve_reference, self.worker.model, tts)
+        except HTTPError as exc:
+            await self.error(exc.message, exc.status)
+            return False
+        from fish_sm.engine.batching import EngineStopped, Job, Overloaded
+
+        self.tts = tts
+        self.format = tts.format or "pcm"
+        self.events: asyncio.Queue = asyncio.Queue()
+        job = Job("", references=(reference,) if reference is not None else (), chunk_length=tts.chunk_length,
+                  params=tts.sampling, stream=True)
+        try:
+            self.session = self.worker.batcher.open_session(
+                job, sink=lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
+        except Overloaded as exc:
+            await self.ws.send_json({"error": f"{exc}; retry after {exc.retry_after_s} s", "status": 503,
+                                     "retry_after_s": exc.retry_after_s})
+            return False
+        except EngineStopped as exc:
+            await self.error(str(exc), 503)
+            return False
+        rate = self.worker.model.engine.sample_rate
+        await self.ws.send_json({"ready": True, "sample_rate": rate, "format": self.format})
+        if self.format == "wav":
+            await self.ws.send_bytes(audio_out.open_wav_header(rate))
+        return True
+
+    def _settings_of(self, data) -> TTSRequest:
+        text = _text_of(data)
+        if text is None:
+            raise HTTPError(400, "the first message is not UTF-8 text")
+        doc = load_json(text, "the first message")
+        if not isinstance(doc, dict):
+            raise HTTPError(400, "the first message must be a JSON object with the session's voice and settings")
+        if "text" in doc:
+            raise HTTPError(400, "the first message sets up the session and has no 'text'; send the text in the "
+                                 "messages after it")
+        fmt = doc.get("format")
+        if isinstance(fmt, str) and fmt.lower() not in STREAM_FORMATS:
+            raise HTTPError(400, f"format {fmt!r} cannot be streamed; a session speaks pcm or wav")
+        try:
+            # "." stands in for the text, which comes later; the rest is checked as /invocations checks it.
+            tts = parse_request({**doc, "text": ".", "stream": doc.get("stream", True)}, self.settings)
+        except RequestError as exc:
+            raise HTTPError(exc.status, exc.message) from None
+        if not tts.stream:
+            raise HTTPError(400, "a session always streams: leave 'stream' out or set it true")
+        return tts
+
+    # -- the session ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        reader = asyncio.create_task(self._read())
+        try:
+            await self._write()
+        finally:
+            reader.cancel()
+            if self.session is not None:
+                self.session.cancel()  # no-op once done; frees the row if the client left or it failed
+
+    async def _read(self) -> None:
+        """Client messages until the end of the input; the session is closed or cancelled after."""
+        try:
+            async for msg in self.ws:
+                if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    break
+                text = _text_of(msg.data)
+                if text is None:
+                    await self.error("a message is not UTF-8 text")
+                    continue
+                if text.lstrip().startswith("{"):
+                    if await self._control(text):
+                        return
+                else:
+                    await self._text(text)
+        except Closed:
+            return
+        # The client closed the socket (or it broke) without {"end": true}: nobody listens any more.
+        self.session.cancel()
+        self.events.put_nowait(("closed", None))
+
+    async def _control(self, text: str) -> bool:
+        """One control message; true once the input has ended."""
+        try:
+            doc = load_json(text, "a control message")
+            if not isinstance(doc, dict) or not doc:
+                raise HTTPError(400, "a control message must be a JSON object such as {\"end\": true}")
+            unknown = sorted(set(doc) - CONTROLS)
+            if unknown:
+                raise HTTPError(400, f"unknown control field(s): {', '.join(unknown)}; accepted: "
+                                     f"{', '.join(sorted(CONTROLS))}")
+            for name in ("flush", "end", "cancel"):
+                if name in doc and doc[name] is not True:
+                    raise HTTPError(400, f"control {name!r} must be true")
+            if "text" in doc and not isinstance(doc["text"], str):
+                raise HTTPError(400, "control 'text' must be a string")
+        except HTTPError as exc:
+            await self.error(exc.message, exc.status)
+            return False
+        if doc.get("cancel"):
+            self.cancelled = True  # audio already queued for the client is dropped too
+            self.session.cancel()
+            self.events.put_nowait(("cancelled", None))
+            return True
+        if "text" in doc:
+            await self._text(doc["text"])
+        if doc.get("flush") or doc.get("end"):
+            await self._speak(self.buffer.flush())
+        if doc.get("end"):
+            self.session.close()
+            return True
+        return False
+
+    async def _text(self, piece: str) -> None:
+        self.parts += 1
+        limit = self.settings.max_text_chars
+        if len(self.buffer.text) + len(piece) > limit:
+            await self.error(f"the text buffered without a sentence end would be {len(self.buffer.text) + len(piece)} "
+                             f"characters; the limit is {limit}: this part was dropped (end sentences sooner, or "
+                             "send {\"flush\": true})", 413)
+            return
+        await self._speak(self.buffer.add(piece))
+
+    async def _speak(self, sentences: list[str]) -> None:
+        from fish_sm.engine.batching import EngineStopped
+        from fish_sm.errors import InputError
+
+        for sentence in sentences:
+            try:
+                self.session.speak(sentence)
+            except InputError as exc:
+                await self.error(str(exc))
+                continue
+            except EngineStopped as exc:
+                await self.error(str(exc), 503)
+                raise Closed() from None
+            await self.ws.send_json({"queued": len(self.sentences), "text": sentence, "part": self.parts})
+            self.sentences.append(sentence)
+
+    async def _write(self) -> None:
+        """Engine events out to the client until the session is over."""
+        from fish_sm.serving.batching_server import _next_event
+
+        while True:
+            try:
+                kind, payload = await _next_event(self.request, self.events, self.worker)
+            except HTTPError as exc:
+                await self.error(exc.message, exc.status)
+                return
+            if kind == "audio" and len(payload) and not self.cancelled:
+                self.first_audio = self.first_audio or time.perf_counter()
+                await self.ws.send_bytes(audio_out.pcm16(payload))
+            elif kind == "spoken":
+                await self.ws.send_json({"spoken": payload})
+            elif kind == "done":
+                await self.ws.send_json({"done": self._summary(payload)})
+                return
+            elif kind == "error":
+                exc = engine_error(payload)
+                await self.error(exc.message, exc.status)
+                return
+            elif kind == "cancelled":
+                await self.ws.send_json({"cancelled": True})
+                return
+            elif kind == "closed":
+                return
+
+    def _summary(self, result) -> dict:
+        doc = {"sentences": len(self.sentences), "wall_s": round(time.perf_counter() - self.opened, 3),
+               "frames": getattr(result, "frames", None), "audio_seconds": getattr(result, "seconds", None),
+               "rtf": getattr(result, "rtf", None)}
+        if self.first_audio is not None:
+            doc["first_audio_s"] = round(self.first_audio - self.opened, 3)
+        return doc
+
+
+def _text_of(data) -> str | None:
+    if isinstance(data, str):
+        return data
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+async def bidirectional_stream(server, request: web.Request) -> web.StreamResponse:
+    """The route's handler: one session per WebSocket, its problems as error messages."""
+    ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES)
+    await ws.prepare(request)
+    bidi = BidiSession(server, request, ws)
+    try:
+        if await bidi.open():
+            await bidi.run()
+            logger.info("session done: %d sentences, first audio %s, %.2f s", len(bidi.sentences),
+                        f"{(bidi.first_audio - bidi.opened) * 1e3:.0f} ms" if bidi.first_audio else "-",
+                        time.perf_counter() - bidi.opened)
+    except (ConnectionResetError, asyncio.CancelledError):
+        if bidi.session is not None:
+            bidi.session.cancel()
+        raise
+    except Exception:
+        logger.exception("session failed")
+        if bidi.session is not None:
+            bidi.session.cancel()
+        await bidi.error("internal error; see the server log", 500)
+    finally:
+        if not ws.closed:
+            await ws.close()
+    return ws

@@ -1,0 +1,153 @@
+"""CloudWatch Embedded Metric Format (EMF) lines on stdout: one per request a server answers,
+and one of the batching server's state every few seconds.
+
+SageMaker sends a container's stdout to CloudWatch Logs, and CloudWatch turns a log line that
+is an EMF object (`_aws.Timestamp`, `_aws.CloudWatchMetrics` naming the namespace, dimensions
+and metrics, then the values as top-level keys) into metrics, with no agent or dependency. The
+names and units are fish_sm.cloudwatch_metrics'. FISH_SM_METRICS=off writes nothing. No torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from fish_sm.cloudwatch_metrics import (DIMENSIONS, ENDPOINT_ENV, LOCAL_ENDPOINT, NAMESPACE, REQUEST_METRICS,
+                                        STATE_METRICS)
+
+
+@dataclass
+class RequestFigures:
+    """What one answered request did, gathered while it is served (None: not applicable)."""
+
+    status: int = 200
+    stream: bool = False
+    first_audio_ms: float | None = None
+    rtf: float | None = None
+    frames: int | None = None
+    audio_seconds: float | None = None
+    queue_wait_ms: float | None = None
+    rejected: bool = False  # a 503 because every slot and queue place was taken (Retry-After)
+    latency_ms: float | None = None  # None: from `started` until the line is written
+    started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
+
+    def add_synthesis(self, frames: int, seconds: float, rtf: float | None) -> None:
+        """One utterance's result; the lines of a JSON Lines body add up (RTF: the slowest line's)."""
+        self.frames = (self.frames or 0) + int(frames)
+        self.audio_seconds = (self.audio_seconds or 0.0) + float(seconds)
+        if rtf is not None:
+            self.rtf = max(self.rtf or 0.0, float(rtf))
+
+    def add_queue_wait(self, ms: float) -> None:
+        self.queue_wait_ms = max(self.queue_wait_ms or 0.0, ms)
+
+    def add_worker_answer(self, headers: Mapping[str, str], forwarded_at: float) -> bool:
+        """What the mms worker that answered said in its headers (see `worker_headers`): its audio,
+        and its queue wait since the gate passed the request on at `forwarded_at` (epoch seconds).
+        False when no worker answered (the model server itself did: no worker or queue place)."""
+        try:
+            started = float(headers[STARTED_HEADER])
+        except (KeyError, ValueError):
+            return False
+        self.add_queue_wait(max(0.0, (started - forwarded_at) * 1000))
+        try:
+            audio = json.loads(headers.get(AUDIO_HEADER) or "null")
+            if isinstance(audio, dict):
+                self.add_synthesis(int(audio["frames"]), float(audio["seconds"]), audio.get("rtf"))
+        except (ValueError, KeyError, TypeError):
+            pass  # a worker of another version: its audio goes uncounted, the answer still is
+        return True
+
+    def values(self) -> dict[str, float]:
+        out: dict[str, float] = {"Requests": 1, "Rejected": int(self.rejected),
+                                 "Errors": int(self.status >= 500 and not self.rejected)}
+        for name, value in (("Latency", self.latency_ms), ("FirstAudio", self.first_audio_ms),
+                            ("RealTimeFactor", self.rtf),
+                            ("Frames", self.frames), ("AudioSeconds", self.audio_seconds),
+                            ("QueueWait", self.queue_wait_ms)):
+            if value is not None:
+                out[name] = round(float(value), 3)
+        return out
+
+
+# The mms server's Python worker cannot write a metrics line that reaches stdout whole (the Java
+# model server logs its output through log4j, with a prefix), and never sees the requests that
+# the gate or the model server refuse; the gate, which sees every request and its answer, writes
+# the line, with what only the worker knows in two headers of its answer, taken off before the
+# client gets it: when it took the request (epoch seconds) and the audio it made (JSON).
+STARTED_HEADER = "X-Fish-SM-Started"
+AUDIO_HEADER = "X-Fish-SM-Audio"
+WORKER_HEADERS = frozenset(h.lower() for h in (STARTED_HEADER, AUDIO_HEADER))
+
+
+def audio_header(results: Iterable) -> str | None:
+    """The answer's audio (frames, seconds, the slowest real-time factor) from its syntheses (a
+    JSON Lines line without audio holds its error instead); None when it has none."""
+    figures = RequestFigures()
+    for result in results:
+        if hasattr(result, "frames"):
+            figures.add_synthesis(result.frames, result.seconds, getattr(result, "rtf", None))
+    if figures.frames is None:
+        return None
+    return json.dumps({"frames": figures.frames, "seconds": round(figures.audio_seconds, 6), "rtf": figures.rtf},
+                      separators=(",", ":"))
+
+
+def emf_line(dimensions: dict[str, str], values: dict[str, float], units: dict[str, str],
+             properties: dict | None = None, timestamp_ms: int | None = None) -> str:
+    """One EMF object as a line of JSON: the metrics `values` names (with `units`), under
+    NAMESPACE and one dimension set; `properties` are logged beside them, not as metrics."""
+    doc = {"_aws": {"Timestamp": int(time.time() * 1000) if timestamp_ms is None else timestamp_ms,
+                    "CloudWatchMetrics": [{"Namespace": NAMESPACE, "Dimensions": [list(dimensions)],
+                                           "Metrics": [{"Name": n, "Unit": units[n]} for n in values]}]},
+           **(properties or {}), **dimensions, **values}
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def state_values(loads: list[dict]) -> dict[str, float]:
+    """The engines' `load()` dicts together: slots, active, waiting, and free KV memory if given."""
+    slots = sum(int(x.get("slots", 0)) for x in loads)
+    active = sum(int(x.get("active", 0)) for x in loads)
+    out = {"BatchOccupancy": round(100.0 * active / slots, 2) if slots else 0.0, "ActiveRequests": active,
+           "QueueDepth": sum(int(x.get("waiting", 0)) for x in loads), "Slots": slots}
+    free = [x["free_kv_bytes"] for x in loads if x.get("free_kv_bytes") is not None]
+    if free:
+        out["FreeKVMemory"] = sum(int(b) for b in free)
+    return out
+
+
+def _stdout(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+class Metrics:
+    """Writes a server's EMF lines (nothing when disabled). `write` takes one line; stdout by default."""
+
+    def __init__(self, server: str, enabled: bool = True, env: dict[str, str] | None = None,
+                 write: Callable[[str], None] | None = None):
+        env = os.environ if env is None else env
+        self.enabled = enabled
+        self.dimensions = dict(zip(DIMENSIONS, (env.get(ENDPOINT_ENV) or LOCAL_ENDPOINT, server)))
+        self._write = write or _stdout
+        self._lock = threading.Lock()  # lines whole, whatever thread writes them
+
+    def _emit(self, line: str) -> None:
+        with self._lock:
+            self._write(line)
+
+    def request(self, figures: RequestFigures) -> None:
+        if figures.latency_ms is None:
+            figures.latency_ms = (time.perf_counter() - figures.started) * 1000
+        if self.enabled:
+            self._emit(emf_line(self.dimensions, figures.values(), REQUEST_METRICS,
+                                {"StatusCode": figures.status, "Stream": figures.stream}))
+
+    def state(self, loads: list[dict]) -> None:
+        if self.enabled and loads:
+            self._emit(emf_line(self.dimensions, state_values(loads), STATE_METRICS))
