@@ -3,10 +3,18 @@ Tests are marked here too: `integration` for those that use a fixture starting a
 loopback, `gpu` for those skipped without CUDA (see setup.cfg's markers)."""
 
 import io
+import os
 
 import numpy as np
 import pytest
 import soundfile as sf
+
+# The servers the tests start (they inherit this environment) decode every stream as fast as they
+# can and hold 64 requests, as the CPU tests were written for: pacing streams to their listeners
+# would make each streamed test request last as long as its audio plays. Pacing and slots by
+# memory are tested where they are the subject (tests/engine/test_scheduler.py, test_batching.py).
+os.environ.setdefault("FISH_SM_STREAM_HORIZON_S", "0")
+os.environ.setdefault("FISH_SM_MAX_BATCH", "64")
 
 # Fixtures that start a server on loopback (a `fish-sm serve`, the model server, moto).
 SERVER_FIXTURES = {"server", "one_slot", "silent_server", "tiny_url", "moto_url", "runtime_url"}
