@@ -26,7 +26,9 @@ CHUNK_LENGTH_RANGE = (50, 1000)
 DEFAULT_MAX_NEW_TOKENS = 1024  # frames per text chunk, unless FISH_SM_MAX_NEW_TOKENS is lower
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest
 SAMPLING_FIELDS = ("temperature", "top_p", "repetition_penalty", "max_new_tokens", "seed", "chunk_length")
-FIELDS = frozenset({"text", "voice", "reference", "format", "sample_rate", "stream", *SAMPLING_FIELDS})
+FIELDS = frozenset({"text", "voice", "adapter", "reference", "format", "sample_rate", "stream", *SAMPLING_FIELDS})
+# A LoRA adapter's name: what a request, a package and an S3 key may carry.
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ECHO_CHARS = 40  # how much of a rejected value an error message repeats
 _S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(.+)$")
 
@@ -86,11 +88,12 @@ class TTSRequest:
     chunk_length: int = DEFAULT_CHUNK_LENGTH
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = False  # chunked audio as it is made (the batching server)
+    adapter: str | None = None  # a LoRA fine-tune's name (a packaged voice may imply one)
 
 
 def request_body(text: str, *, voice: str | None = None, reference_audio: str | None = None,
                  reference_text: str | None = None, fmt: str | None = None, stream: bool = False,
-                 **sampling) -> dict:
+                 adapter: str | None = None, **sampling) -> dict:
     """The JSON body a client sends: `reference_audio` is base64 or an s3:// URI; sampling
     fields left None are left out, so the server's defaults apply."""
     if not text or not text.strip():
@@ -105,6 +108,8 @@ def request_body(text: str, *, voice: str | None = None, reference_audio: str | 
     body: dict = {"text": text}
     if voice:
         body["voice"] = voice
+    if adapter:
+        body["adapter"] = check_adapter_name(adapter, InputError)
     if reference_audio is not None:
         body["reference"] = {"audio": reference_audio, "text": reference_text}
     if fmt:
@@ -139,6 +144,9 @@ def parse_request(data, settings: Settings) -> TTSRequest:
     if len(text) > settings.max_text_chars:
         raise RequestError(413, f"text is {len(text)} characters; the limit is {settings.max_text_chars}")
     voice = _optional(data, "voice", str)
+    adapter = _optional(data, "adapter", str)
+    if adapter is not None:
+        check_adapter_name(adapter, _bad)
     reference = _reference(data.get("reference"), settings) if data.get("reference") is not None else None
     if voice is not None and reference is not None:
         raise _bad("give either 'voice' or 'reference', not both")
@@ -170,7 +178,16 @@ def parse_request(data, settings: Settings) -> TTSRequest:
     except InputError as exc:
         raise _bad(str(exc)) from None
     return TTSRequest(text=text, voice=voice, reference=reference, format=fmt, sample_rate=sample_rate,
-                      chunk_length=chunk_length or DEFAULT_CHUNK_LENGTH, sampling=params, stream=stream)
+                      chunk_length=chunk_length or DEFAULT_CHUNK_LENGTH, sampling=params, stream=stream,
+                      adapter=adapter)
+
+
+def check_adapter_name(name: str, error=InputError) -> str:
+    """`name` if it can name an adapter, else `error(message)` raised."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or ".." in name:
+        raise error(f"adapter name {_echo(name)}: use 1-64 letters, digits, '.', '_' or '-', "
+                    "starting with a letter or digit")
+    return name
 
 
 def _optional(data: dict, name: str, kind: type):

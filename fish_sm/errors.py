@@ -15,3 +15,8 @@ class CheckpointError(FishSMError, ValueError):
 
 class InputError(FishSMError, ValueError):
     """A request's text, reference audio or sampling parameters cannot be used."""
+
+
+class AdapterError(CheckpointError):
+    """A LoRA adapter that cannot be served: unknown to the engine, unreadable, or not shaped for
+    the base model (a request naming it fails alone)."""

@@ -64,6 +64,13 @@ class Settings:
     # emf: one CloudWatch Embedded Metric Format line on stdout per request and every few seconds
     # of server state (SageMaker ships stdout to CloudWatch Logs, which makes them metrics) | off
     metrics: str = "emf"
+    # LoRA adapters beside the packaged ones: comma-separated s3://bucket/prefix/ (the allow-list: a
+    # request names an adapter, the object <prefix><NAME>.safetensors of the first source holding it)
+    adapter_sources: tuple[str, ...] = ()
+    adapter_memory: int = 2 << 30  # bytes of GPU (or CPU) memory for resident adapters; 2GiB, 512MiB or bytes
+    adapter_rank: int = 0  # the largest rank served; 0: the largest packaged adapter's, at least 8
+    # seconds a source's answer is trusted (an adapter there, or not) before S3 is asked again
+    adapter_refresh_s: float = 60.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
@@ -101,6 +108,13 @@ class Settings:
             raise ConfigError(f"{PREFIX}MAX_QUEUE and {PREFIX}PREFIX_CACHE must not be negative")
         if not (0 < self.header_timeout <= 3600 and 0 < self.body_timeout <= 3600):
             raise ConfigError(f"{PREFIX}HEADER_TIMEOUT and {PREFIX}BODY_TIMEOUT must be in (0, 3600] seconds")
+        for source in self.adapter_sources:
+            check_adapter_source(source)
+        if self.adapter_memory < 1 or self.adapter_rank < 0 or self.adapter_refresh_s < 0:
+            raise ConfigError(f"{PREFIX}ADAPTER_MEMORY must be positive, {PREFIX}ADAPTER_RANK and "
+                              f"{PREFIX}ADAPTER_REFRESH_S not negative")
+        if self.adapter_rank > 256:
+            raise ConfigError(f"{PREFIX}ADAPTER_RANK={self.adapter_rank}: ranks up to 256 are served")
         if self.manifest_sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.manifest_sha256):
             raise ConfigError(f"{PREFIX}MANIFEST_SHA256 must be 64 lowercase hex digits")
 
@@ -114,9 +128,35 @@ class Settings:
         return self.compile == "true" or (self.compile == "auto" and device_type == "cuda")
 
 
+# s3://bucket/prefix/: a bucket name as S3 allows it, a prefix (possibly empty) that ends with "/".
+_ADAPTER_SOURCE = re.compile(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/((?:[^/]+/)*)")
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(|b|kib|mib|gib|tib|kb|mb|gb|tb)", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def check_adapter_source(source: str) -> tuple[str, str]:
+    """(bucket, prefix) of an FISH_SM_ADAPTER_SOURCES entry, which must be s3://bucket/prefix/."""
+    match = _ADAPTER_SOURCE.fullmatch(source)
+    if match is None or ".." in source[5:] or "//" in source[5:]:
+        raise ConfigError(f"{PREFIX}ADAPTER_SOURCES: {source[:200]!r} is not an s3://bucket/prefix/ URI "
+                          "(a bucket, then a prefix ending with '/')")
+    return match.group(1), match.group(2)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '2GiB', '512MiB', '1.5GB' or a plain integer."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(text)
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
 def _parse(key: str, raw: str, type_name: str):
     raw = raw.strip()
     try:
+        if key == PREFIX + "ADAPTER_MEMORY":
+            return parse_size(raw)
         if type_name == "int":
             return int(raw)
         if type_name == "float":
@@ -126,5 +166,6 @@ def _parse(key: str, raw: str, type_name: str):
         if type_name == "bool":
             return {"true": True, "false": False}[raw.lower()]
     except (ValueError, KeyError):
-        raise ConfigError(f"{key}={raw!r} is not a valid {type_name}") from None
+        kind = "size (such as 2GiB, 512MiB or a number of bytes)" if key == PREFIX + "ADAPTER_MEMORY" else type_name
+        raise ConfigError(f"{key}={raw!r} is not a valid {kind}") from None
     return raw.upper() if key.endswith("LOG_LEVEL") else raw.lower() if key.endswith(("QUANTIZE", "COMPILE", "DTYPE", "SERVER", "MANIFEST_SHA256", "METRICS")) else raw

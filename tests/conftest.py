@@ -64,3 +64,48 @@ def tone():
 @pytest.fixture(scope="session")
 def encode_audio():
     return _encode_audio
+
+
+@pytest.fixture(scope="session")
+def adapter_package(tiny_checkpoint, tmp_path_factory):
+    """A package of the tiny checkpoint with LoRA adapters (issue 37): "yasuo" (rank 8) with a
+    packaged voice of its name that implies it, "kiri" (rank 4), and "zz-broken", a file that is
+    listed and verified like the others but whose tensors do not fit the model (it fails at
+    load: 422). Written as `fish-sm package --adapter` lays a package out (adapters/NAME.safetensors,
+    the manifest's "adapters" table, the voice's "adapter", every file in "files")."""
+    import hashlib
+    import json
+
+    import torch
+
+    from fish_sm.model.config import ModelConfig
+    from fish_sm.model.lora import FORMAT, random_adapter, write_packaged
+    from fish_sm.model.weights import write_safetensors
+    from fish_sm.package.build import build_package_dir
+
+    root = tmp_path_factory.mktemp("adapter-package")
+    voice = root / "yasuo.wav"
+    voice.write_bytes(_encode_audio(_tone(1.0, 16000, freq=180, seed=3), 16000, "WAV"))
+    out = root / "package"
+    build_package_dir(tiny_checkpoint, out, voices={"yasuo": (voice, "Yasuo speaking, fine-tuned.")})
+    config = ModelConfig.from_file(out / "config.json")
+    (out / "adapters").mkdir()
+    adapters = {}
+    for name, rank, seed in (("yasuo", 8, 1), ("kiri", 4, 2)):
+        # Large enough (scale) to move the tiny model's sampled codes.
+        adapter = random_adapter(config, name, rank=rank, seed=seed, scale=0.2)
+        write_packaged(adapter, out / "adapters" / f"{name}.safetensors")
+        adapters[name] = {"rank": rank, "alpha": adapter.alpha}
+    write_safetensors({"layers.0.attention.wqkv.lora_A": torch.zeros(8, 3), "layers.0.attention.wqkv.lora_B": torch.zeros(3, 8)},
+                      out / "adapters" / "zz-broken.safetensors", metadata={"format": FORMAT, "rank": "8", "alpha": "16.0"})
+    adapters["zz-broken"] = {"rank": 8, "alpha": 16.0}
+    manifest = json.loads((out / "manifest.json").read_text())
+    for name, entry in adapters.items():
+        path = out / "adapters" / f"{name}.safetensors"
+        entry.update(file=f"adapters/{name}.safetensors", bytes=path.stat().st_size)
+        manifest["files"][entry["file"]] = {"size": path.stat().st_size,
+                                            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    manifest["adapters"] = adapters
+    manifest["voices"]["yasuo"]["adapter"] = "yasuo"
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return out

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 
 from fish_sm.aws import AWSError, Log, quiet
+from fish_sm.aws.adapters import SOURCES_ENV, default_source
 from fish_sm.aws.alarms import rollback_alarm_request
 from fish_sm.aws.autoscaling import (METRIC_UNITS, apply_autoscaling, remove_autoscaling, scalable_target,
                                      with_target)
@@ -25,7 +26,7 @@ from fish_sm.aws.monitoring import Monitoring, apply_monitoring
 from fish_sm.aws.instances import GPUs, instance_hardware
 from fish_sm.aws.naming import new_stamp, rollback_alarm_name
 from fish_sm.aws.package import package_manifest
-from fish_sm.aws.s3 import S3Uri, head_object
+from fish_sm.aws.s3 import S3Uri, head_object, parse_s3_uri
 from fish_sm.aws.session import AWS, error_code
 from fish_sm.cloudwatch_metrics import ENDPOINT_ENV
 from fish_sm.errors import InputError
@@ -45,6 +46,7 @@ class DeployResult:
     inference_ami: str | None = None
     manifest_sha256: str | None = None
     endpoint: dict | None = None  # the final describe_endpoint when waited
+    adapter_sources: str | None = None  # FISH_SM_ADAPTER_SOURCES, where `fish-sm adapters add` puts adapters
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Checked:
     gpus: int
     pinned: dict[str, str]
     gpu_model: str | None = None  # EC2's name for the GPUs ("H100"); None with --gpus or none
+    packaged_adapters: bool | None = None  # the package holds LoRA adapters (None: its manifest was not read)
 
 
 def check_before_creating(aws: AWS, req: DeployRequest, log: Log = quiet) -> Checked:
@@ -72,8 +75,9 @@ def check_before_creating(aws: AWS, req: DeployRequest, log: Log = quiet) -> Che
     manifest = read_manifest(aws, req.model_data, log)
     if manifest is not None and req.stock_container:
         check_offline_start(json.loads(manifest), req, log)
+    adapters = None if manifest is None else bool(json.loads(manifest).get("adapters"))
     return Checked(image, gpus, pinned_manifest(manifest, req.model_data, req.env.get(MANIFEST_ENV), log),
-                   hardware.model)
+                   hardware.model, adapters)
 
 
 def read_manifest(aws: AWS, uri: S3Uri, log: Log) -> bytes | None:
@@ -120,6 +124,43 @@ def pinned_manifest(manifest: bytes | None, uri: S3Uri, given: str | None, log: 
     return {MANIFEST_ENV: digest}
 
 
+def adapter_environment(req: DeployRequest, log: Log = quiet, packaged_adapters: bool | None = None) -> dict[str, str]:
+    """{FISH_SM_ADAPTER_SOURCES: the S3 prefix the servers look adapters up in}: --adapter-source
+    s3://..., or adapters/NAME/ beside the package (so `fish-sm adapters add NAME` has a place to put
+    them) with `default`, or with `auto` when the package holds adapters (an endpoint serving none
+    carries no adapter slots: its steps run as fast as before); nothing with `none`, with the user's
+    own --env FISH_SM_ADAPTER_SOURCES (which wins, as every --env does), or with --network-isolation
+    (the container cannot reach S3).
+
+    SageMaker reads it with the execution role (--role), which needs s3:GetObject on the prefix's
+    objects and s3:ListBucket on its bucket (without it a missing object reads as 403, not 404)."""
+    if SOURCES_ENV in req.env:
+        if req.adapter_source != "auto":
+            raise InputError(f"give the adapter source once: --adapter-source or --env {SOURCES_ENV}")
+        return {}
+    if req.adapter_source == "none":
+        return {}
+    if req.adapter_source == "auto" and not packaged_adapters:
+        log("adapters: none packaged, so no adapter source (the servers carry no adapter slots); "
+            "--adapter-source default or s3://... makes room for `fish-sm adapters add`")
+        return {}
+    if req.adapter_source in ("auto", "default"):
+        if req.network_isolation:
+            log("note: no adapter source with --network-isolation (the container cannot reach S3): only packaged "
+                "adapters are served")
+            return {}
+        source = default_source(req.model_data, req.name)
+    else:
+        if req.network_isolation:
+            raise InputError("--adapter-source is read from S3 by the container, which --network-isolation cuts "
+                             "off; package the adapters instead (fish-sm package --adapter)")
+        source = parse_s3_uri(req.adapter_source, what="--adapter-source", prefix=True)
+    check_settings({SOURCES_ENV: str(source)})  # as the server will check it at start
+    log(f"adapter source: {source} (`fish-sm adapters add {req.name} NAME=PATH` puts adapters there; the role "
+        f"must be allowed s3:GetObject on it and s3:ListBucket on {source.bucket})")
+    return {SOURCES_ENV: str(source)}
+
+
 def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 15.0,
            timeout_s: float = 2 * 3600, log: Log = quiet, monitoring: Monitoring | None = None) -> DeployResult:
     """Create the endpoint, or update it blue/green with auto-rollback; then autoscaling when waited.
@@ -142,8 +183,9 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
             + (f" ({scaling.reason})" if scaling.reason else ""))
     # The user's --env wins, as every --env does (a FISH_SM_MANIFEST_SHA256 given was checked above).
     named = {ENDPOINT_ENV: req.name} if monitoring is not None else {}
-    env = container_environment({**checked.pinned, **named, **req.env}, stock_container=req.stock_container,
-                                gpus=checked.gpus)
+    adapters = adapter_environment(req, log, checked.packaged_adapters)
+    env = container_environment({**checked.pinned, **named, **adapters, **req.env},
+                                stock_container=req.stock_container, gpus=checked.gpus)
     image, ami = checked.image, req.inference_ami(checked.gpus)
 
     stamp = new_stamp()
@@ -187,7 +229,7 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
             log(line)
 
     result = DeployResult(action, model_name, config_name, image, checked.gpus, ami,
-                          env.get(MANIFEST_ENV))
+                          env.get(MANIFEST_ENV), adapter_sources=env.get(SOURCES_ENV))
     if wait:
         result.endpoint = wait_endpoint(aws, req.name, config_name=config_name, poll_s=poll_s,
                                         timeout_s=timeout_s, log=log)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from fish_sm.aws.autoscaling import Autoscaling
 from fish_sm.aws.naming import TAG_KEY, VARIANT, check_name, rollback_alarm_name
-from fish_sm.aws.s3 import S3Uri
+from fish_sm.aws.s3 import S3Uri, parse_s3_uri
 from fish_sm.errors import InputError
 
 # Warm-up (loading 3.6 GB of weights, torch.compile) takes minutes; SageMaker's defaults
@@ -123,6 +123,9 @@ class DeployRequest:
     kms_key: str | None = None
     network_isolation: bool = False
     data_capture: DataCapture | None = None
+    # FISH_SM_ADAPTER_SOURCES: auto (adapters/NAME/ beside the package when it holds adapters, see
+    # aws/adapters.py), default (there, always), none, or an s3:// prefix
+    adapter_source: str = "auto"
 
     def resource_tags(self) -> list[dict]:
         """The tags every resource of this deploy gets: fish-sm's own, then --tags."""
@@ -170,6 +173,8 @@ class DeployRequest:
                                  f"({'subnet-... ids, at most 16' if flag == '--subnets' else 'sg-... ids, at most 5'})")
         if self.kms_key is not None and not _KMS_KEY.match(self.kms_key):
             raise InputError(f"--kms-key must be a KMS key id, key ARN, alias/NAME or alias ARN, got {self.kms_key!r}")
+        if self.adapter_source not in ("auto", "default", "none"):
+            parse_s3_uri(self.adapter_source, what="--adapter-source", prefix=True)
         if self.data_capture is not None and not 1 <= self.data_capture.percent <= 100:
             raise InputError(f"--data-capture-percent must be 1-100, got {self.data_capture.percent}")
 

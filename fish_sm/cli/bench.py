@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from fish_sm.cli.common import (aws_options, friendly_errors, main, make_aws, one_target, output_format_option,
-                                publish_report, serving_locally)
+                                over_error_rate, publish_report, serving_locally)
 from fish_sm.contract import AUDIO_TYPES
 
 
@@ -22,6 +22,11 @@ from fish_sm.contract import AUDIO_TYPES
 @click.option("--texts", type=click.Path(dir_okay=False, path_type=Path),
               help="One text (or JSON request) per line; default: a built-in set of varied length.")
 @click.option("--voice", help="A packaged voice for every request.")
+@click.option("--adapters", "n_adapters", type=click.IntRange(min=1),
+              help="Spread the requests over N LoRA adapters, round-robin: the first N of --adapter-names, else of "
+                   "the --local package's adapters, else of the endpoint's (`fish-sm adapters list`).")
+@click.option("--adapter-names", metavar="A,B,...",
+              help="The adapters --adapters uses (all of them without --adapters).")
 @click.option("--format", "fmt", type=click.Choice(list(AUDIO_TYPES)), default="wav",
               show_default=True)
 @click.option("--stream", is_flag=True,
@@ -56,8 +61,8 @@ from fish_sm.contract import AUDIO_TYPES
 @output_format_option
 @aws_options
 @friendly_errors
-def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, bidi, piece_chars, piece_interval,
-          component, max_new_tokens, seed,
+def bench(name, url, local, concurrency, n_requests, texts, voice, n_adapters, adapter_names, fmt, stream, bidi,
+          piece_chars, piece_interval, component, max_new_tokens, seed,
           warmup,
           max_error_rate, instance_type, price, out_dir, timeout, startup_timeout, output_format, region, profile,
           endpoint_url):
@@ -76,12 +81,12 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
     from fish_sm.clients.report import format_table, verdict_lines
     from fish_sm.clients.request import check_stream
     from fish_sm.clients.url import UrlTarget, server_info
-    from fish_sm.errors import FishSMError
 
     one_target(("NAME", name), ("--url", url), ("--local", local))
     if bidi:
-        if name or stream:
-            raise click.UsageError("--bidi benchmarks a server (--url or --local) over its WebSocket, without --stream")
+        if name or stream or n_adapters or adapter_names:
+            raise click.UsageError("--bidi benchmarks a server (--url or --local) over its WebSocket, without --stream "
+                                   "or --adapters")
         return _bench_bidi(url, local, concurrency, n_requests, texts, voice, max_new_tokens, seed, piece_chars,
                            piece_interval, max_error_rate, out_dir, timeout, startup_timeout, output_format)
     if component and not name:
@@ -97,6 +102,10 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
     server, instances, notes = None, 1, []
     # Lazy: nothing is asked of AWS unless an endpoint or an instance type is named.
     aws = make_aws(region, profile, endpoint_url, max_pool_connections=max(levels) + 2)
+    # Before a --local server starts: too few adapters is known without it.
+    adapters = bench_adapters(n_adapters, adapter_names, local=local, endpoint=name, component=component, aws=aws)
+    if adapters:
+        say(f"spreading the requests over {len(adapters)} adapter(s), round-robin: {', '.join(adapters)}")
     with contextlib.ExitStack() as stack:
         if local:
             url = stack.enter_context(serving_locally(local, out_dir, startup_timeout, say))
@@ -111,18 +120,73 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, fmt, stream, 
         report = b.run_bench(target, concurrencies=levels, requests_per_level=n_requests, texts=text_list, base=base,
                              accept=AUDIO_TYPES[fmt], warmup=warmup, stream=stream, max_error_rate=max_error_rate,
                              device=device, server=server, price=price_doc, instances=instances,
-                             instance_type=instance_type, notes=notes, log=say)
+                             instance_type=instance_type, notes=notes, adapters=adapters, log=say)
     if local:
         report["target"] = f"local {local} (served at {report['target']})"
-    publish_report(report, out_dir, [format_table(report), *verdict_lines(report)], output_format, say)
+    adapter_line = [f"requests spread over {len(adapters)} adapter(s): {', '.join(adapters)}"] if adapters else []
+    publish_report(report, out_dir, [format_table(report), *adapter_line, *verdict_lines(report)], output_format, say)
     failed = [lv for lv in report["levels"] if not lv["passed"]]
     if failed:
-        worst = max(failed, key=lambda lv: lv["error_rate"])
-        example = " ".join(str(next(iter(worst["error_examples"].values()), "")).split())[:300]
-        raise FishSMError(
-            f"{len(failed)} of {len(report['levels'])} level(s) over --max-error-rate {max_error_rate:g}: "
-            + ", ".join(f"concurrency {lv['concurrency']} {lv['requests'] - lv['ok']}/{lv['requests']} failed"
-                        for lv in failed) + (f"; e.g. {example}" if example else ""))
+        raise over_error_rate(failed, len(report["levels"]), max_error_rate,
+                              lambda lv: f"concurrency {lv['concurrency']} "
+                                         f"{lv['requests'] - lv['ok']}/{lv['requests']} failed")
+
+
+def bench_adapters(count: int | None, names: str | None, *, local: Path | None, endpoint: str | None,
+                   component: str | None, aws) -> list[str]:
+    """The adapter names `bench --adapters N` spreads its requests over: the first N of --adapter-names,
+    else of the --local package's manifest, else of the endpoint's adapters; too few is an error."""
+    from fish_sm.contract import check_adapter_name
+    from fish_sm.errors import InputError
+
+    if count is None and not names:
+        return []
+    if names:
+        available = [n.strip() for n in names.split(",") if n.strip()]
+        for n in available:
+            check_adapter_name(n, lambda message: InputError(f"--adapter-names: {message}"))
+        where = "--adapter-names"
+        if len(set(available)) != len(available):
+            raise InputError(f"--adapter-names names an adapter twice: {names}")
+    elif local is not None:
+        available, where = local_adapter_names(local), f"the package {local}"
+    elif endpoint:
+        from fish_sm.aws.adapters import endpoint_model, list_adapters
+
+        available = list(dict.fromkeys(a.name for a in list_adapters(aws, endpoint_model(aws, endpoint, component))))
+        where = f"endpoint {endpoint}"
+    else:
+        raise InputError("--adapters with --url needs the names: --adapter-names A,B,...")
+    count = len(available) if count is None else count
+    if len(available) < count:
+        shown = ", ".join(available[:8]) + (", ..." if len(available) > 8 else "")
+        raise InputError(f"--adapters {count}: {where} has only {len(available)} adapter(s)"
+                         + (f" ({shown})" if available else ""))
+    return available[:count]
+
+
+def local_adapter_names(model: Path) -> list[str]:
+    """The adapters a --local MODEL holds: its manifest.json's (a package directory, or model.tar.gz's
+    first entry); a plain checkpoint has none."""
+    import json
+    import tarfile
+
+    from fish_sm.errors import InputError
+
+    model = Path(model)
+    try:
+        if model.is_dir():
+            manifest_path = model / "manifest.json"
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.is_file() else {}
+        else:
+            with tarfile.open(model, mode="r|gz") as tar:
+                first = next(iter(tar), None)
+                reader = tar.extractfile(first) if first is not None and first.name == "manifest.json" else None
+                manifest = json.loads(reader.read()) if reader is not None else {}
+    except (OSError, ValueError, tarfile.TarError) as exc:
+        raise InputError(f"--local {model}: cannot read its manifest.json ({exc})") from None
+    adapters = manifest.get("adapters") if isinstance(manifest, dict) else None
+    return sorted(adapters) if isinstance(adapters, dict) else []
 
 
 def _bench_bidi(url, local, concurrency, n_requests, texts, voice, max_new_tokens, seed, piece_chars, piece_interval,

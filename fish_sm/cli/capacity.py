@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from fish_sm.cli.common import (aws_options, friendly_errors, main, make_aws, one_target, output_format_option,
-                                publish_report, serving_locally)
+                                over_error_rate, publish_report, serving_locally)
 
 DEFAULT_STREAMS = "8,16,32,64,128,256,512,1024"
 
@@ -128,12 +128,9 @@ def capacity(name, url, local, streams, duration, arrivals, seed, slo_first_audi
     publish_report(report, out_dir, [format_capacity_table(report), *capacity_lines(report)], output_format, say)
     broken = [lv for lv in report["levels"] if lv["broken"]]
     if broken:
-        worst = max(broken, key=lambda lv: lv["error_rate"])
-        example = " ".join(str(next(iter(worst["error_examples"].values()), "")).split())[:300]
-        raise FishSMError(
-            f"{len(broken)} of {len(report['levels'])} level(s) had errors over --max-error-rate {max_error_rate:g}: "
-            + ", ".join(f"{lv['streams']} streams {sum(lv['errors'].values())}/{lv['requests']} failed"
-                        for lv in broken) + (f"; e.g. {example}" if example else ""))
+        raise over_error_rate(broken, len(report["levels"]), max_error_rate,
+                              lambda lv: f"{lv['streams']} streams "
+                                         f"{sum(lv['errors'].values())}/{lv['requests']} failed")
     if not report["passed"]:
         first = report["levels"][0]
         raise FishSMError(f"no level meets the SLO: {first['streams']} streams: {'; '.join(first['slo_failures'])}")

@@ -120,6 +120,18 @@ def publish_report(report: dict, out_dir, lines, output_format: str, say) -> Non
                                "json": str(json_path), "html": str(html_path)}))
 
 
+def over_error_rate(failed: list[dict], levels: int, max_error_rate: float, describe):
+    """The FishSMError of a run whose `failed` levels (of `levels`) brought no audio more often than
+    --max-error-rate: each level as describe(level) says ("concurrency 4 3/32 failed"), and an
+    example error from the worst."""
+    from fish_sm.errors import FishSMError
+
+    worst = max(failed, key=lambda lv: lv["error_rate"])
+    example = " ".join(str(next(iter(worst["error_examples"].values()), "")).split())[:300]
+    return FishSMError(f"{len(failed)} of {levels} level(s) over --max-error-rate {max_error_rate:g}: "
+                       + ", ".join(describe(lv) for lv in failed) + (f"; e.g. {example}" if example else ""))
+
+
 def human_size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
@@ -161,7 +173,10 @@ def _option_keys(command: click.Command) -> dict[str, click.Option]:
 
 
 def _name_envvars(command_name: str, command: click.Command) -> None:
-    """FISHSM_<COMMAND>_<OPTION> for each option without a variable of its own, from its first long flag."""
+    """FISHSM_<COMMAND>_<OPTION> for each option without a variable of its own, from its first long flag
+    (a group's subcommands share the group's: FISHSM_ADAPTERS_REGION)."""
+    for sub in getattr(command, "commands", {}).values():
+        _name_envvars(command_name, sub)
     for param in command.params:
         if isinstance(param, click.Option) and param.envvar is None:
             flag = next((f[2:] for f in param.opts if f.startswith("--")), None)
@@ -169,10 +184,23 @@ def _name_envvars(command_name: str, command: click.Command) -> None:
                 param.envvar = f"{ENV_PREFIX}_{command_name}_{flag}".upper().replace("-", "_")
 
 
+def _leaf_commands(group: click.Group, ctx: click.Context) -> dict[tuple[str, ...], click.Command]:
+    """Every command by its path: ("deploy",), and a group's subcommands as ("adapters", "list")."""
+    out = {}
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        if isinstance(command, click.Group):
+            out.update({(name, sub): command.get_command(ctx, sub) for sub in command.list_commands(ctx)})
+        else:
+            out[(name,)] = command
+    return out
+
+
 def load_config(group: click.Group, ctx: click.Context) -> dict:
-    """click's default_map from the config file: {command: {parameter: value}}, [default] keys
-    going to every command that has that option. A file named but missing, bad TOML, an unknown
-    section or key: a ClickException (one line)."""
+    """click's default_map from the config file: {command: {parameter: value}} (a group's commands:
+    {group: {command: {...}}}), [default] keys going to every command that has that option and a
+    group's section to each of its commands. A file named but missing, bad TOML, an unknown section
+    or key: a ClickException (one line)."""
     path, named = config_path()
     if not path.is_file():
         if named:
@@ -185,27 +213,31 @@ def load_config(group: click.Group, ctx: click.Context) -> dict:
             data = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise click.ClickException(f"config file {path}: {' '.join(str(exc).split())}") from None
-    options = {name: _option_keys(group.get_command(ctx, name)) for name in group.list_commands(ctx)}
-    default_map: dict = {name: {} for name in options}
+    options = {where: _option_keys(command) for where, command in _leaf_commands(group, ctx).items()}
+    sections = {where[0] for where in options}
+    default_map: dict = {}
     for section, values in data.items():
         if not isinstance(values, dict):
             raise click.ClickException(f"config file {path}: {section!r} must be a [section] of option = value")
-        if section != DEFAULT_SECTION and section not in options:
+        if section != DEFAULT_SECTION and section not in sections:
             raise click.ClickException(f"config file {path}: [{section}] is no fish-sm command; sections are "
                                        f"[{DEFAULT_SECTION}] and command names")
         for key, value in values.items():
-            takers = [name for name, known in options.items()
-                      if key in known and (section == DEFAULT_SECTION or name == section)]
+            takers = [where for where, known in options.items()
+                      if key in known and (section == DEFAULT_SECTION or where[0] == section)]
             if not takers:
                 raise click.ClickException(f"config file {path}: [{section}] {key}: no such option"
                                            + ("" if section == DEFAULT_SECTION else f" of `fish-sm {section}`"))
-            for name in takers:
-                param = options[name][key].name
+            for where in takers:
+                values_of = default_map
+                for part in where:
+                    values_of = values_of.setdefault(part, {})
+                param = options[where][key].name
                 if section == DEFAULT_SECTION:  # a command's own section wins, wherever it is in the file
-                    default_map[name].setdefault(param, value)
+                    values_of.setdefault(param, value)
                 else:
-                    default_map[name][param] = value
-    return {name: values for name, values in default_map.items() if values}
+                    values_of[param] = value
+    return default_map
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -59,6 +59,12 @@ from fish_sm.cli.deploy_components import component_options, component_request, 
 @click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE",
               help="Container environment, e.g. FISH_SM_COMPILE=false; FISH_SM_* settings are checked as the "
                    "server checks them. Repeatable.")
+@click.option("--adapter-source", default="auto", show_default=True, metavar="s3://BUCKET/PREFIX/|default|auto|none",
+              help="Where the servers look up LoRA adapters not in the package (FISH_SM_ADAPTER_SOURCES), and where "
+                   "`fish-sm adapters add NAME` puts them. default: adapters/NAME/ beside --model-data; auto: there "
+                   "when the package holds adapters, else none (an endpoint without adapters carries no adapter "
+                   "slots); none: packaged adapters only. Off with --network-isolation; with --components, none "
+                   "unless an s3:// prefix is given. The role needs s3:GetObject on it and s3:ListBucket on its bucket.")
 @click.option("--tags", "tag_pairs", multiple=True, metavar="KEY=VALUE",
               help="A tag on every resource the deploy makes (model, config, endpoint, alarms, scaling). Repeatable.")
 @click.option("--subnets", multiple=True, metavar="ID[,ID]",
@@ -99,10 +105,10 @@ from fish_sm.cli.deploy_components import component_options, component_request, 
 @friendly_errors
 def deploy(name, model_data, role, image, stock_container, instance_type, gpus, ami_version, instances, min_instances,
            max_instances, target, metric, is_async, async_output, async_failure, sns_success, sns_error,
-           max_concurrent, scale_to_zero, env_pairs, tag_pairs, subnets, security_groups, kms_key, network_isolation,
-           data_capture, data_capture_percent, startup_timeout, download_timeout, bake, rollback_errors, dashboard,
-           alarms, alarm_first_audio_ms, alarm_error_rate, alarm_rejection_rate, wait, poll, output_format, region,
-           profile, endpoint_url, **component_opts):
+           max_concurrent, scale_to_zero, env_pairs, adapter_source, tag_pairs, subnets, security_groups, kms_key,
+           network_isolation, data_capture, data_capture_percent, startup_timeout, download_timeout, bake,
+           rollback_errors, dashboard, alarms, alarm_first_audio_ms, alarm_error_rate, alarm_rejection_rate, wait, poll,
+           output_format, region, profile, endpoint_url, **component_opts):
     """Create endpoint NAME, or update it blue/green with automatic rollback.
 
     With --components (or --component C) NAME is a pool of instances holding inference
@@ -140,6 +146,14 @@ def deploy(name, model_data, role, image, stock_container, instance_type, gpus, 
                                    parse_s3_uri(async_failure, what="--failure", prefix=True) if async_failure else None,
                                    sns_success, sns_error, max_concurrent)
     env = parse_env(env_pairs)
+    if components is not None and adapter_source not in ("auto", "default", "none"):
+        from fish_sm.aws.adapters import SOURCES_ENV
+
+        # A component's model gets its source through its environment; no default, since the
+        # components of one endpoint may serve different base models.
+        if SOURCES_ENV in env:
+            raise click.UsageError(f"give the adapter source once: --adapter-source or --env {SOURCES_ENV}")
+        env[SOURCES_ENV] = str(parse_s3_uri(adapter_source, what="--adapter-source", prefix=True))
     capture = None
     if data_capture:
         capture = DataCapture(parse_s3_uri(data_capture, what="--data-capture", prefix=True),
@@ -155,7 +169,7 @@ def deploy(name, model_data, role, image, stock_container, instance_type, gpus, 
         async_options=async_options, startup_timeout=startup_timeout, download_timeout=download_timeout,
         bake_seconds=bake, rollback_errors=rollback_errors, gpus=gpus, ami_version=ami_version,
         tags=parse_tags(tag_pairs), subnets=split_ids(subnets), security_groups=split_ids(security_groups),
-        kms_key=kms_key, network_isolation=network_isolation, data_capture=capture)
+        kms_key=kms_key, network_isolation=network_isolation, data_capture=capture, adapter_source=adapter_source)
     as_json = output_format == "json"
 
     def progress(line: str) -> None:  # with --output json, stdout holds only the result
@@ -179,7 +193,8 @@ def deploy(name, model_data, role, image, stock_container, instance_type, gpus, 
                                "endpoint_config": result.config_name, "image": result.image,
                                "instance_type": instance_type, "gpus": result.gpus,
                                "inference_ami_version": result.inference_ami,
-                               "manifest_sha256": result.manifest_sha256}, indent=2))
+                               "manifest_sha256": result.manifest_sha256,
+                               "adapter_sources": result.adapter_sources}, indent=2))
     elif result.endpoint is not None:
         click.echo(f"endpoint {name} {result.action} and InService on {result.config_name}")
     else:

@@ -13,6 +13,7 @@ from fish_sm.cli.common import friendly_errors, main
 # What --output's extension may be: the formats a server answers with (libsndfile writes MP3 from 1.1 on).
 OUTPUT_FORMATS = ("wav", "flac", "ogg", "mp3", "pcm")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+_ADAPTER_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # an output file name that can name the adapter
 
 
 def _check_device(ctx, param, value: str) -> str:
@@ -127,3 +128,44 @@ def synthesize(checkpoint, text, output, reference, reference_text, temperature,
     output.write_bytes(encode_audio(audio, engine.sample_rate, fmt)[0])
     click.echo(f"wrote {output}: {seconds:.2f} s of audio, {frames} frames, real-time factor {rtf:.3f}")
 
+
+
+@main.command("make-adapter")
+@click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The base checkpoint whose config.json shapes the adapter.")
+@click.option("--rank", type=click.IntRange(1, 256), default=8, show_default=True)
+@click.option("--alpha", type=click.FloatRange(min=0, min_open=True), default=16.0, show_default=True,
+              help="lora_alpha (kept in the file's metadata only for --format safetensors; pass it to "
+                   "`package --lora-alpha` otherwise, as for an upstream fine-tune).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["ckpt", "pth", "safetensors"]), default="ckpt", show_default=True,
+              help="ckpt: as upstream's LoRA training saves it ({'state_dict': {'model.<module>.lora_A': ...}}); "
+                   "pth: only the lora_A/lora_B tensors; safetensors: fish-sm's packaged form.")
+@friendly_errors
+def make_adapter(output: Path, checkpoint: Path, rank: int, alpha: float, seed: int, fmt: str):
+    """Write a LoRA adapter of RANDOM weights for CHECKPOINT's model to OUTPUT (quick starts, tests,
+    benchmarks): every module upstream's LoRA fine-tuning adapts, with nonzero lora_B, so it changes
+    the output. It is no fine-tune: it makes the voice worse, not better."""
+    import torch
+
+    from fish_sm.model.config import ModelConfig
+    from fish_sm.model.lora import random_adapter, write_packaged
+
+    config = ModelConfig.from_file(checkpoint / "config.json")
+    adapter = random_adapter(config, output.stem if _ADAPTER_STEM.fullmatch(output.stem) else "random", rank,
+                             alpha, seed)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        write_packaged(adapter, output)
+    else:
+        tensors = {}
+        for target, (a, b) in adapter.pairs.items():
+            prefix = "model." if fmt == "ckpt" else ""
+            tensors[f"{prefix}{target}.lora_A"], tensors[f"{prefix}{target}.lora_B"] = a, b
+        # A Lightning checkpoint's shape; the note says what it is to anyone who opens it.
+        data = {"state_dict": tensors, "epoch": 0, "global_step": 0,
+                "note": "random LoRA weights from fish-sm make-adapter, not a fine-tune"} if fmt == "ckpt" else tensors
+        torch.save(data, output)
+    click.echo(f"wrote {output}: random LoRA adapter, rank {rank}, alpha {alpha:g}, {len(adapter.pairs)} modules, "
+               f"{output.stat().st_size / 1e6:.1f} MB ({fmt}); random weights, not a fine-tune")

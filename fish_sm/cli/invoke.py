@@ -47,6 +47,9 @@ def _target_and_text(name: str | None, text_arg: str | None, url: str | None,
 @click.option("--url", help="A `fish-sm serve` (or any SageMaker-contract server) to call over HTTP instead.")
 @click.option("--text", help="What to say (the same as the TEXT argument).")
 @click.option("--voice", help="A voice packaged with the model.")
+@click.option("--adapter", metavar="NAME",
+              help="A LoRA adapter (fine-tune) to speak with: packaged with the model or in the endpoint's adapter "
+                   "source (`fish-sm adapters list`). A packaged voice of the same name implies it.")
 @click.option("--reference", metavar="AUDIO|s3://...", help="Reference audio of the voice to imitate.")
 @click.option("--reference-text", help="Transcript of --reference.")
 @click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -80,10 +83,10 @@ def _target_and_text(name: str | None, text_arg: str | None, url: str | None,
 @output_format_option
 @aws_options
 @friendly_errors
-def invoke(name, text_arg, url, text, voice, reference, reference_text, out_path, fmt, seed, temperature, top_p,
-           repetition_penalty, max_new_tokens, chunk_length, sample_rate, stream, component, wait_capacity, bidi_source,
-           piece_chars, piece_interval, is_async, input_location, timeout, poll, output_format, region, profile,
-           endpoint_url):
+def invoke(name, text_arg, url, text, voice, adapter, reference, reference_text, out_path, fmt, seed, temperature,
+           top_p, repetition_penalty, max_new_tokens, chunk_length, sample_rate, stream, component, wait_capacity,
+           bidi_source, piece_chars, piece_interval, is_async, input_location, timeout, poll, output_format, region,
+           profile, endpoint_url):
     """Synthesize TEXT on endpoint NAME (or --url URL) and write the audio.
 
     The answer must be audio of the format asked for (its content type, and bytes that decode to
@@ -105,8 +108,8 @@ def invoke(name, text_arg, url, text, voice, reference, reference_text, out_path
         one_target(("NAME", name), ("--url", url))
         return _bidi(name, url, bidi_source, out_path, fmt, piece_chars, piece_interval, timeout, output_format,
                      region, profile, endpoint_url, voice=voice, reference=reference, reference_text=reference_text,
-                     seed=seed, temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
-                     max_new_tokens=max_new_tokens, chunk_length=chunk_length)
+                     adapter=adapter, seed=seed, temperature=temperature, top_p=top_p,
+                     repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens, chunk_length=chunk_length)
     name, text = _target_and_text(name, text_arg, url, text)
     if is_async and url:
         raise click.UsageError("--async is for SageMaker endpoints, not --url")
@@ -117,7 +120,7 @@ def invoke(name, text_arg, url, text, voice, reference, reference_text, out_path
     if stream:
         check_stream(fmt, is_async=is_async, sample_rate=sample_rate)
     request = build_request(text, voice=voice, reference=reference, reference_text=reference_text, fmt=fmt,
-                            stream=stream, seed=seed, temperature=temperature, top_p=top_p,
+                            stream=stream, adapter=adapter, seed=seed, temperature=temperature, top_p=top_p,
                             repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
                             chunk_length=chunk_length, sample_rate=sample_rate)
     accept = AUDIO_TYPES[fmt]
@@ -160,7 +163,7 @@ def invoke(name, text_arg, url, text, voice, reference, reference_text, out_path
 
 
 def _bidi(name, url, source, out_path, fmt, piece_chars, piece_interval, timeout, output_format, region, profile,
-          endpoint_url, *, voice, reference, reference_text, **sampling):
+          endpoint_url, *, voice, reference, reference_text, adapter=None, **sampling):
     """`invoke --bidi`: one session, its audio written as it arrives, a line per sentence on stderr."""
     import asyncio
 
@@ -174,6 +177,10 @@ def _bidi(name, url, source, out_path, fmt, piece_chars, piece_interval, timeout
     if reference:  # the reference is read and encoded as for a request (base64 or its s3:// URI)
         ref = build_request("-", reference=reference, reference_text=reference_text)["reference"]
         reference, reference_text = ref["audio"], ref["text"]
+    if adapter:
+        from fish_sm.contract import check_adapter_name
+
+        sampling["adapter"] = check_adapter_name(adapter)
     settings = bidi.session_settings(voice=voice, reference_audio=reference, reference_text=reference_text,
                                      fmt="pcm", **sampling)
     source_name = "stdin" if source == "-" else source

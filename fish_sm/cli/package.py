@@ -16,6 +16,13 @@ from fish_sm.cli.common import aws_options, friendly_errors, human_size, main, m
 @click.option("--voice", "voices", multiple=True, metavar="ID=AUDIO[:TRANSCRIPT]",
               help="A voice to ship with the model: TRANSCRIPT is the text or @FILE; without it AUDIO's "
                    ".txt/.lab sidecar is read. Repeatable.")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=PATH",
+              help="A LoRA fine-tune to serve beside the base model, by NAME: upstream's training checkpoint "
+                   "(.ckpt), a .pth of its lora_A/lora_B tensors, or a .safetensors; checked tensor by tensor "
+                   "against the checkpoint. A --voice of the same NAME speaks with it. Repeatable.")
+@click.option("--lora-alpha", "lora_alphas", multiple=True, metavar="NAME=ALPHA",
+              help="An --adapter's lora_alpha (default: the file's metadata, else 16, upstream's "
+                   "r_8_alpha_16). Repeatable.")
 @click.option("--compile-cache", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A torch.compile cache built on the target GPU, shipped to skip compiling at start-up.")
 @click.option("--stock-container", is_flag=True,
@@ -32,8 +39,8 @@ from fish_sm.cli.common import aws_options, friendly_errors, human_size, main, m
               help="gzip level; weights barely compress, so 1 saves minutes.")
 @aws_options
 @friendly_errors
-def package(checkpoint_dir, output, voices, compile_cache, stock_container, wheels, upload, part_size,
-            compress_level, region, profile, endpoint_url):
+def package(checkpoint_dir, output, voices, adapters, lora_alphas, compile_cache, stock_container, wheels, upload,
+            part_size, compress_level, region, profile, endpoint_url):
     """Build model.tar.gz from CHECKPOINT_DIR (or archive an already built package directory).
 
     The archive is reproducible: the same inputs give the same bytes and sha256.
@@ -42,7 +49,7 @@ def package(checkpoint_dir, output, voices, compile_cache, stock_container, whee
 
     from fish_sm.aws.package import upload as upload_tarball
     from fish_sm.aws.s3 import MIB, check_bucket, parse_s3_uri
-    from fish_sm.cli.package_inputs import is_package_dir, parse_voice_specs
+    from fish_sm.cli.package_inputs import is_package_dir, parse_adapter_specs, parse_voice_specs
     from fish_sm.cli.progress import ByteProgress, FileProgress
     from fish_sm.package.tarball import make_tarball
 
@@ -57,10 +64,11 @@ def package(checkpoint_dir, output, voices, compile_cache, stock_container, whee
         aws = make_aws(region, profile, endpoint_url)
         check_bucket(aws, dest)
     parsed = parse_voice_specs(voices)
-    vendored = None
+    fine_tunes = parse_adapter_specs(adapters, lora_alphas)
+    vendored, packaged_adapters = None, {}
     if is_package_dir(checkpoint_dir):
-        if parsed or compile_cache or stock_container:
-            raise click.UsageError(f"{checkpoint_dir} is a built package: --voice, --compile-cache and "
+        if parsed or fine_tunes or compile_cache or stock_container:
+            raise click.UsageError(f"{checkpoint_dir} is a built package: --voice, --adapter, --compile-cache and "
                                    "--stock-container apply only when packaging a checkpoint")
         from fish_sm.package.verify import verify_package
 
@@ -74,13 +82,16 @@ def package(checkpoint_dir, output, voices, compile_cache, stock_container, whee
         with tempfile.TemporaryDirectory(prefix=".fish-sm-package-", dir=output.parent) as tmp:
             package_dir = Path(tmp) / "model"
             vendor_wheels = stock_wheels(wheels, Path(tmp) / "wheels") if stock_container else None
+            extra = {"adapters": fine_tunes} if fine_tunes else {}
             with FileProgress() as progress:
                 manifest = build_package_dir(checkpoint_dir, package_dir, parsed, compile_cache, progress=progress,
-                                             vendor_wheels=vendor_wheels)
-            vendored = manifest.get("vendored")
+                                             vendor_wheels=vendor_wheels, **extra)
+            vendored, packaged_adapters = manifest.get("vendored"), manifest.get("adapters") or {}
             tarball = archive(package_dir)
     click.echo(f"wrote {tarball.path}: {human_size(tarball.size)}, {tarball.files} files, sha256 {tarball.sha256}"
                + (f", voices: {', '.join(parsed)}" if parsed else "")
+               + (", adapters: " + ", ".join(f"{n} (rank {a['rank']})" for n, a in packaged_adapters.items())
+                  if packaged_adapters else "")
                + (f", vendored for the stock container: {len(vendored)} wheels" if vendored else ""))
     if dest is not None:
         with ByteProgress(f"uploading {tarball.path.name}") as bar:

@@ -64,3 +64,37 @@ def parse_voice_specs(specs) -> dict[str, tuple[Path, str]]:
 def is_package_dir(path: Path) -> bool:
     """A directory that is already a built package (what build_package_dir writes)."""
     return (Path(path) / "manifest.json").is_file() and (Path(path) / "code").is_dir()
+
+
+def parse_adapter_specs(specs, alphas=()) -> dict[str, tuple[Path, float | None]]:
+    """--adapter NAME=PATH options (and --lora-alpha NAME=ALPHA) -> {name: (path, alpha or None)}.
+
+    None leaves alpha to the file's metadata, else upstream's default (16)."""
+    from fish_sm.contract import check_adapter_name
+
+    adapters: dict[str, tuple[Path, float | None]] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise InputError(f"--adapter must be NAME=PATH, got {spec!r}")
+        check_adapter_name(name, lambda message: InputError(f"--adapter {spec!r}: {message}"))
+        if name in adapters:
+            raise InputError(f"--adapter {name} is given twice")
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise InputError(f"--adapter {name}: file not found: {file}")
+        adapters[name] = (file, None)
+    for spec in alphas:
+        name, sep, value = spec.partition("=")
+        if not sep or not name or not value:
+            raise InputError(f"--lora-alpha must be NAME=ALPHA, got {spec!r}")
+        if name not in adapters:
+            raise InputError(f"--lora-alpha {name}: no --adapter {name}=PATH is given")
+        try:
+            alpha = float(value)
+        except ValueError:
+            alpha = float("nan")
+        if not alpha > 0 or alpha == float("inf"):
+            raise InputError(f"--lora-alpha {name}: alpha must be a positive number, got {value!r}")
+        adapters[name] = (adapters[name][0], alpha)
+    return adapters

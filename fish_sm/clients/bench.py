@@ -194,7 +194,7 @@ def run_bench(target, *, concurrencies: list[int], requests_per_level: int, text
               base: dict | None = None, accept: str = "audio/wav", warmup: int = 1, stream: bool = False,
               max_error_rate: float = 0.0, device: str = "unknown", server: dict | None = None,
               price: dict | None = None, instances: int = 1, instance_type: str | None = None,
-              notes: list[str] | None = None, log=lambda s: None) -> dict:
+              notes: list[str] | None = None, adapters: list[str] | None = None, log=lambda s: None) -> dict:
     """The whole benchmark: warm-up, then each level in turn; returns the report as plain data.
 
     stream: every request asks for a streamed answer, and each sample records its first audio.
@@ -203,6 +203,8 @@ def run_bench(target, *, concurrencies: list[int], requests_per_level: int, text
     device, server: what the target runs on and what its /ping said, for the report.
     price: {"usd_per_hour", "source"} of one instance (or None), on `instances` of `instance_type`:
     each level then costs its instances' hours over the audio-hours it made (bench_cost).
+    adapters: LoRA adapter names given to the requests round-robin (request i gets adapters[i % n];
+    a JSON text line's own "adapter" wins).
     """
     if requests_per_level < 1:
         raise InputError(f"--requests must be at least 1, got {requests_per_level}")
@@ -215,7 +217,9 @@ def run_bench(target, *, concurrencies: list[int], requests_per_level: int, text
         if fmt not in STREAM_FORMATS:
             raise InputError(f"--stream sends {' or '.join(STREAM_FORMATS)}, not {fmt}")
         base["stream"] = True
-    requests = [{**base, **texts[i % len(texts)]} for i in range(requests_per_level)]
+    adapters = list(adapters or [])
+    requests = [{**base, **({"adapter": adapters[i % len(adapters)]} if adapters else {}), **texts[i % len(texts)]}
+                for i in range(requests_per_level)]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for i in range(warmup):  # first requests pay for lazy loading and compilation: not measured
         s = _one(target, requests[i % len(requests)], accept, 0, i, time.perf_counter(), fmt)
@@ -237,7 +241,8 @@ def run_bench(target, *, concurrencies: list[int], requests_per_level: int, text
         "settings": {"concurrency": list(concurrencies), "requests": requests_per_level, "format": fmt,
                      "stream": stream, "max_new_tokens": base.get("max_new_tokens"), "seed": base.get("seed"),
                      "voice": base.get("voice"), "max_error_rate": max_error_rate, "warmup": warmup,
-                     "texts": len(texts)},
+                     "texts": len(texts),
+                     **({"adapters": len(adapters), "adapter_names": adapters} if adapters else {})},
         "passed": all(lv["passed"] for lv in levels),
         "accept": accept, "stream": stream,
         "requests_per_level": requests_per_level, "texts": len(texts), "warmup": warmup, "levels": levels,

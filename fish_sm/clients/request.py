@@ -57,7 +57,7 @@ def reference_audio(reference: str) -> str:
 
 def build_request(text: str, *, voice: str | None = None, reference: str | None = None,
                   reference_text: str | None = None, fmt: str | None = None, stream: bool = False,
-                  sample_rate: int | None = None, **sampling) -> dict:
+                  sample_rate: int | None = None, adapter: str | None = None, **sampling) -> dict:
     """The JSON request body, by fish_sm.contract.request_body; the reference options are checked
     here first, in the words of the CLI's options, before the reference file is read."""
     if not text or not text.strip():
@@ -68,7 +68,7 @@ def build_request(text: str, *, voice: str | None = None, reference: str | None 
         raise InputError("give either --voice (a packaged voice) or --reference, not both")
     audio = reference_audio(reference) if reference is not None else None
     body = request_body(text, voice=voice, reference_audio=audio, reference_text=reference_text, fmt=fmt,
-                        stream=stream, **sampling)
+                        stream=stream, adapter=adapter, **sampling)
     if sample_rate is not None:  # a field of the request, not a parameter of request_body
         body["sample_rate"] = sample_rate
     return body

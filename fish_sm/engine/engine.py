@@ -8,6 +8,7 @@ continuous waveform, decoded at the end (`synthesize`) or as frames arrive (`str
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
@@ -23,15 +24,17 @@ from torch import Tensor
 
 from fish_sm import kernels
 from fish_sm.contract import DEFAULT_CHUNK_LENGTH, SamplingParams
+from fish_sm.engine.adapters import AdapterCache, AdapterSource
 from fish_sm.engine.audio import AudioInput, load_reference_audio
 from fish_sm.engine.generate import GraphedStep, HostCopy, decode_frame, generate_frames, to_device
 from fish_sm.engine.prompt import chunk_prompt
 from fish_sm.engine.text import split_text
-from fish_sm.errors import InputError
+from fish_sm.errors import FishSMError, InputError
 from fish_sm.model.checkpoint import find_model_file
 from fish_sm.model.codec import Codec, load_codec
 from fish_sm.model.config import ModelConfig
 from fish_sm.model.dual_ar import DualARTransformer, load_dual_ar
+from fish_sm.model.lora import AdapterError
 from fish_sm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("fish_sm.engine")
@@ -87,6 +90,7 @@ class Engine:
         self._references: OrderedDict[str, Tensor] = OrderedDict()
         self._reference_cache_size = reference_cache_size
         self._step = None  # the compiled decode_frame, once compile() has run
+        self.adapters: AdapterCache | None = None  # LoRA adapters, once enable_adapters() has run
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
@@ -115,11 +119,48 @@ class Engine:
     def quantize_int8(self) -> None:
         """INT8 weight-only quantization of the transformer (`kernels.quantize_int8`): half the
         weights' memory and of the bytes read per frame. The codec stays as it is."""
+        if self.adapters is not None:
+            raise FishSMError("quantize before enabling adapters: the adapters wrap the quantized layers")
         kernels.quantize_int8(self.model)
 
     @property
     def quantized(self) -> bool:
         return kernels.quantized(self.model)
+
+    def enable_adapters(self, source: AdapterSource, memory_bytes: int, rank: int = 8) -> AdapterCache:
+        """Serve LoRA adapters from `source` (`load(name) -> Adapter`), unmerged, any of them per
+        request: as many adapter slots of rank up to `rank` as `memory_bytes` holds (at least
+        one). After any INT8 quantization and before `compile` and the batching engine: the
+        graphs read the adapter slots, and steps of one row leave the row-product kernels (which
+        read the weights themselves) for the compiled layers."""
+        if self.adapters is not None:
+            raise FishSMError("adapters are enabled already")
+        if self.compiled:
+            raise FishSMError("enable adapters before compiling the decode step")
+        slots = max(1, memory_bytes // kernels.AdapterSlots.slot_bytes(self.model, rank))
+        self.adapters = AdapterCache(kernels.AdapterSlots(self.model, slots, rank), source)
+        logger.info("adapters: %d slots of rank %d, %.1f MiB each", slots, rank,
+                    self.adapters.slots.bytes_per_slot / 2**20)
+        return self.adapters
+
+    def adapter_stats(self) -> dict:
+        """Adapter slots, the adapters in them (least recently used first), bytes per adapter."""
+        return {} if self.adapters is None else self.adapters.stats()
+
+    @contextlib.contextmanager
+    def _adapter(self, name: str | None):
+        """Rows of the next calls use adapter `name` (held meanwhile)."""
+        if name is None and self.adapters is None:
+            yield
+            return
+        if self.adapters is None:
+            raise AdapterError(f"adapter {name!r}: this server serves no adapters")
+        slot = self.adapters.acquire(name)
+        try:
+            self.adapters.slots.set_rows(torch.tensor([slot]))
+            yield
+        finally:
+            self.adapters.release(slot)
 
     def compile(self) -> None:
         """Make a decode frame (slow step, all fast steps, all sampling) one launch.
@@ -187,27 +228,30 @@ class Engine:
     # -- synthesis ----------------------------------------------------------------
 
     def frames(self, text: str, references: Sequence[Reference] = (), chunk_length: int = DEFAULT_CHUNK_LENGTH,
-               params: SamplingParams = SamplingParams()) -> Iterator[Tensor]:
-        """Codes frame by frame ([num_codebooks] on the device), over all chunks of `text`."""
+               params: SamplingParams = SamplingParams(), adapter: str | None = None) -> Iterator[Tensor]:
+        """Codes frame by frame ([num_codebooks] on the device), over all chunks of `text`,
+        with LoRA adapter `adapter` if named (see `enable_adapters`)."""
         check_text(text, chunk_length)
         generator = request_generator(self.device, params.seed)
         turns = [(r.text, r.codes) for r in references]
         previous: list[tuple[str, Tensor]] = []
-        for chunk in split_text(text, chunk_length):
-            prompt = chunk_prompt(self.tokenizer, self.config.num_codebooks, self.model.max_seq_len, turns, previous, chunk)
-            produced = []
-            for frame in generate_frames(self.model, prompt, params, generator, step=self._step):
-                produced.append(frame[1:])
-                yield frame[1:]
-            previous = [(chunk, torch.stack(produced, dim=1).cpu())] if produced else []
+        with self._adapter(adapter):
+            for chunk in split_text(text, chunk_length):
+                prompt = chunk_prompt(self.tokenizer, self.config.num_codebooks, self.model.max_seq_len, turns,
+                                      previous, chunk)
+                produced = []
+                for frame in generate_frames(self.model, prompt, params, generator, step=self._step):
+                    produced.append(frame[1:])
+                    yield frame[1:]
+                previous = [(chunk, torch.stack(produced, dim=1).cpu())] if produced else []
 
     def synthesize(self, text: str, reference: Reference | Sequence[Reference] | None = None,
-                   chunk_length: int = DEFAULT_CHUNK_LENGTH, **sampling) -> Synthesis:
-        """Speak `text` (in the voice of `reference`, if given). `sampling`: temperature,
-        top_p, repetition_penalty, max_new_tokens (per chunk), seed."""
+                   chunk_length: int = DEFAULT_CHUNK_LENGTH, adapter: str | None = None, **sampling) -> Synthesis:
+        """Speak `text` (in the voice of `reference`, if given; with LoRA adapter `adapter`, if
+        named). `sampling`: temperature, top_p, repetition_penalty, max_new_tokens (per chunk), seed."""
         params = SamplingParams(**sampling)
         t0 = time.perf_counter()
-        frames = list(self.frames(text, as_references(reference), chunk_length, params))
+        frames = list(self.frames(text, as_references(reference), chunk_length, params, adapter))
         t1 = time.perf_counter()
         with torch.inference_mode():
             if frames:
@@ -221,12 +265,12 @@ class Engine:
 
     def stream(self, text: str, reference: Reference | Sequence[Reference] | None = None,
                chunk_length: int = DEFAULT_CHUNK_LENGTH, first_chunk_frames: int = 4, chunk_frames: int = 16,
-               **sampling) -> Iterator[np.ndarray]:
+               adapter: str | None = None, **sampling) -> Iterator[np.ndarray]:
         """Yield float32 audio as it is generated: after `first_chunk_frames` frames,
         then every `chunk_frames`. The pieces concatenate to what `synthesize` returns
         for the same seed."""
         params = SamplingParams(**sampling)
-        frames = self.frames(text, as_references(reference), chunk_length, params)
+        frames = self.frames(text, as_references(reference), chunk_length, params, adapter)
         decoder = self.codec.streaming_decoder(batch_size=1)
         pending: list[Tensor] = []
         want = first_chunk_frames

@@ -73,6 +73,7 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
     n_head = c.semantic_vocab + 1
     if pickers.head_with_input is not None:
         token, code, x = pickers.head_with_input(model, logits, noise[:, :n_head], temperature, top_p, penalty, window)
+        x = kernels.with_delta(model.fast_embeddings, code, x)  # the pickers read the table without adapters
     else:
         head_prev = None if window is None else head_penalty_indices(window[:, :, 0], model.semantic_begin_id,
                                                                       c.semantic_vocab, model.im_end_id)
@@ -98,6 +99,8 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
         last = i == c.num_codebooks - 1
         if pickers.residual_with_input is not None:
             code, x = pickers.residual_with_input(*args, next_input=not last)
+            if x is not None:
+                x = kernels.with_delta(model.fast_embeddings, code, x)
         else:
             code = pickers.residual(*args)
             x = None if last else model.fast_embeddings(code)

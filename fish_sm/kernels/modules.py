@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from fish_sm.kernels import decode_attention, row_products, split_products
+from fish_sm.kernels.lora import adapted, with_delta
 from fish_sm.model.dual_ar import Attention, DualARTransformer, TransformerBlock
 from fish_sm.model.layers import RMSNorm
 
@@ -146,9 +147,11 @@ class KernelBlock(TransformerBlock):
     def _post_attention_split(self, x: Tensor, y: Tensor) -> Tensor:
         """`_post_attention` of a step of several rows, wo and w2 with their residual adds as
         `split_products` kernels (the same arithmetic)."""
-        h = split_products.split_product(y, self.attention.wo.weight, x, self.split_counts)
+        h = with_delta(self.attention.wo, y, split_products.split_product(y, self.attention.wo.weight, x,
+                                                                          self.split_counts))
         gated = self.feed_forward.gated(self.ffn_norm(h))
-        return split_products.split_product(gated, self.feed_forward.w2.weight, h, self.split_counts)
+        return with_delta(self.feed_forward.w2, gated,
+                          split_products.split_product(gated, self.feed_forward.w2.weight, h, self.split_counts))
 
     def _decode_row(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None,
                     cache_only: bool = False, rows: Tensor | None = None) -> Tensor:
@@ -178,8 +181,9 @@ class KernelBlock(TransformerBlock):
 
 def uses_row_products(model: DualARTransformer) -> bool:
     """The row-product kernels run on this model's device and dtype (CUDA with Triton, bf16)
-    and read every layer's projections and both heads."""
-    return (row_products.usable(model.norm.weight) and row_products.readable(model.head)
+    and read every layer's projections and both heads (which carry no adapters: the kernels
+    read the weights themselves)."""
+    return (not adapted(model) and row_products.usable(model.norm.weight) and row_products.readable(model.head)
             and row_products.readable(model.fast_output)
             and all(KernelBlock.row_products_readable(b) for b in [*model.layers, *model.fast_layers]))
 

@@ -83,9 +83,10 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_safetensors(weights: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Write tensors in the safetensors layout (used for tests and conversions)."""
-    header, chunks, offset = {}, [], 0
+def write_safetensors(weights: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write tensors in the safetensors layout (tests, conversions, packaged adapters), with
+    `metadata` (strings) as its `__metadata__`."""
+    header, chunks, offset = ({"__metadata__": dict(metadata)} if metadata else {}), [], 0
     for name in sorted(weights):
         t = weights[name].detach().contiguous().cpu()
         data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""

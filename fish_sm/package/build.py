@@ -4,11 +4,14 @@
     code/inference.py code/requirements.txt code/fish_sm/                  for the stock PyTorch container
     code/lib/                                                              its dependencies, vendored (instead of requirements.txt)
     voices/<id>/                                                           precomputed reference voices
+    adapters/<name>.safetensors                                            LoRA fine-tunes, checked against the base
     compile_cache/                                                         kernels from an earlier start
     manifest.json                                                          versions, voices, sha256 of every file
 
 The checkpoint is validated before anything is written: config, tokenizer, and every
-tensor's name and shape in both weight files.
+tensor's name and shape in both weight files; so is every adapter, against the checkpoint's
+config. manifest.json carries config.json's contents too, so the AWS side can check an adapter
+against an endpoint's base model from the manifest alone (one ranged GET of model.tar.gz).
 """
 
 from __future__ import annotations
@@ -74,11 +77,14 @@ def sha256(path: Path, progress: Progress | None = None) -> str:
 
 def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tuple[Path, str]] | None = None,
                       compile_cache: Path | None = None, progress: Progress | None = None,
-                      vendor_wheels: list[Path] | None = None) -> dict:
+                      vendor_wheels: list[Path] | None = None,
+                      adapters: dict[str, tuple[Path, float | None]] | None = None) -> dict:
     """Validate `checkpoint_dir`, then write the package layout into `out_dir`; returns the manifest.
 
     With `vendor_wheels` (see package/vendor.py) the stock container's dependencies are unpacked
     into code/lib/ and no code/requirements.txt is written, so the container fetches nothing at start.
+    `adapters`: {name: (fine-tune file, lora_alpha or None)}, each read and checked before
+    anything else is written (see `write_adapters`); a voice with an adapter's name implies it.
     """
     import torch
 
@@ -102,6 +108,7 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
             _refuse_link_outside(path, Path(compile_cache), "point --compile-cache at a cache that holds its files")
         cache_info = json.loads(meta.read_text())
     out_dir.mkdir(parents=True, exist_ok=True)
+    adapter_meta = write_adapters(checkpoint_dir, out_dir, adapters or {})
     for f in checkpoint_files(checkpoint_dir):
         shutil.copyfile(f, out_dir / f.name)
     code = out_dir / "code"
@@ -122,6 +129,8 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
             reference = engine.encode_reference(Path(audio), transcript)
             voice_meta[voice_id] = write_voice(out_dir / "voices", voice_id, Path(audio), transcript,
                                                reference.codes, engine.sample_rate)
+            if voice_id in adapter_meta:  # the fine-tuned speaker's own voice speaks with its adapter
+                voice_meta[voice_id]["adapter"] = voice_id
         del engine
     if compile_cache is not None:
         shutil.copytree(compile_cache, out_dir / "compile_cache", dirs_exist_ok=True)
@@ -130,7 +139,9 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
         "format": 1,
         "versions": {"fish_sm": fish_sm.__version__, "torch": torch.__version__},
         "checkpoint": summary,
+        "config": json.loads((checkpoint_dir / "config.json").read_text(encoding="utf-8")),
         "voices": voice_meta,
+        "adapters": adapter_meta,
         "compile_cache": cache_info,
         "vendored": vendored,
         "files": {str(p.relative_to(out_dir)): {"size": p.stat().st_size, "sha256": sha256(p, progress)} for p in files},
@@ -139,10 +150,39 @@ def build_package_dir(checkpoint_dir: Path, out_dir: Path, voices: dict[str, tup
     return manifest
 
 
+def write_adapters(checkpoint_dir: Path, out_dir: Path, adapters: dict[str, tuple[Path, float | None]]) -> dict:
+    """Each fine-tune read (torch's weights-only loader for pickles), checked tensor by tensor against
+    the checkpoint's config, and written as adapters/NAME.safetensors, one at a time (a model's
+    adapters can outgrow memory together); returns the manifest's "adapters" table. A bad one
+    removes adapters/ again, so nothing half-written is left."""
+    from fish_sm.model.lora import check_name, read_fine_tune, write_packaged
+
+    if not adapters:
+        return {}
+    for name in adapters:
+        check_name(name)
+    config = ModelConfig.from_file(checkpoint_dir / "config.json")
+    directory = out_dir / "adapters"
+    meta = {}
+    try:
+        for name, (path, alpha) in sorted(adapters.items()):
+            adapter = read_fine_tune(path, name, config, alpha)
+            directory.mkdir(exist_ok=True)
+            file = directory / f"{name}.safetensors"
+            write_packaged(adapter, file)
+            meta[name] = {"file": f"adapters/{name}.safetensors", "rank": adapter.rank, "alpha": adapter.alpha,
+                          "bytes": file.stat().st_size}
+            del adapter
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return meta
+
+
 def _refuse_link_outside(path: Path, directory: Path, advice: str) -> None:
     """A package holds copies, never what links point at elsewhere: refuse a link that resolves outside `directory`."""
     if path.is_symlink() and not path.resolve().is_relative_to(directory.resolve()):
         raise InputError(f"{path} is a symlink to {path.resolve()}, outside {directory}; {advice}")
 
 
-__all__ = ["FILES", "build_package_dir", "validate_checkpoint", "checkpoint_files", "sha256"]
+__all__ = ["FILES", "build_package_dir", "validate_checkpoint", "checkpoint_files", "sha256", "write_adapters"]

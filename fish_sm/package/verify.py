@@ -3,8 +3,10 @@
 A package (a directory with manifest.json) is trusted only when every file in it is listed
 in the manifest with the same size and sha256, every listed file is there, and nothing in
 it leads outside the directory; `FISH_SM_MANIFEST_SHA256` (set by `fish-sm deploy`) pins
-the manifest itself. A plain checkpoint directory (no manifest.json) cannot be verified:
-it may be served, but its compile_cache/ is never used, because torch unpickles cache entries.
+the manifest itself; its "adapters" table may name only listed files at
+`adapters/NAME.safetensors`, so it cannot point the server at any other file. A plain checkpoint
+directory (no manifest.json) cannot be verified: it may be served, but its compile_cache/ is
+never used, because torch unpickles cache entries.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def verify_package(model_dir, manifest_sha256: str = "") -> bool:
         if actual != manifest_sha256:
             raise CheckpointError(f"{model_dir / MANIFEST}: sha256 {actual} is not FISH_SM_MANIFEST_SHA256 "
                                   f"{manifest_sha256} (not the package that was deployed)")
-    listed = _listed_files(manifest_bytes, model_dir)
+    manifest = _parse_manifest(manifest_bytes, model_dir)
+    listed = _listed_files(manifest, model_dir)
+    _check_adapters(manifest, listed, model_dir)
     for name in sorted((set(listed) | set(found)) - {MANIFEST}):
         if name not in found:
             raise CheckpointError(f"{model_dir / name}: listed in {MANIFEST} but missing")
@@ -144,13 +148,16 @@ def _files_on_disk(model_dir: Path, root: Path) -> dict[str, os.stat_result]:
     return files
 
 
-def _listed_files(manifest_bytes: bytes, model_dir: Path) -> dict[str, tuple[int, str]]:
+def _parse_manifest(manifest_bytes: bytes, model_dir: Path):
+    try:
+        return json.loads(manifest_bytes)
+    except ValueError as exc:  # also a UnicodeDecodeError
+        raise CheckpointError(f"{model_dir / MANIFEST}: not valid JSON ({exc})") from None
+
+
+def _listed_files(manifest, model_dir: Path) -> dict[str, tuple[int, str]]:
     """manifest.json's files table as {posix path: (size, sha256)}, every name a path inside the package."""
     where = model_dir / MANIFEST
-    try:
-        manifest = json.loads(manifest_bytes)
-    except ValueError as exc:  # also a UnicodeDecodeError
-        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise CheckpointError(f"{where}: no \"files\" table of sizes and sha256s")
@@ -165,3 +172,32 @@ def _listed_files(manifest_bytes: bytes, model_dir: Path) -> dict[str, tuple[int
             raise CheckpointError(f"{where}: the entry for {name} needs a size and a sha256")
         listed[name] = (size, digest)
     return listed
+
+
+def _check_adapters(manifest: dict, listed: dict[str, tuple[int, str]], model_dir: Path) -> None:
+    """manifest.json's "adapters" table ({NAME: {"file", "rank", "alpha", "bytes"}}): each file is
+    adapters/NAME.safetensors and listed with its size; a voice's "adapter" names one of them."""
+    from fish_sm.contract import check_adapter_name
+
+    where = model_dir / MANIFEST
+    adapters = manifest.get("adapters") or {}
+    if not isinstance(adapters, dict):
+        raise CheckpointError(f"{where}: \"adapters\" must be a table of NAME: entry")
+    for name, entry in adapters.items():
+        check_adapter_name(name, lambda message: CheckpointError(f"{where}: {message}"))
+        file = f"adapters/{name}.safetensors"
+        if not isinstance(entry, dict) or entry.get("file") != file:
+            raise CheckpointError(f"{where}: adapter {name} must be the file {file}")
+        if file not in listed:
+            raise CheckpointError(f"{where}: adapter {name}'s file {file} is not in its files table")
+        rank, alpha = entry.get("rank"), entry.get("alpha")
+        if type(rank) is not int or not 1 <= rank <= 256 or type(alpha) not in (int, float) or not alpha > 0:
+            raise CheckpointError(f"{where}: adapter {name} needs a rank (1-256) and a positive alpha")
+        if entry.get("bytes") != listed[file][0]:
+            raise CheckpointError(f"{where}: adapter {name} says {entry.get('bytes')} bytes, its file has "
+                                  f"{listed[file][0]}")
+    voices = manifest.get("voices") or {}
+    for voice_id, meta in (voices.items() if isinstance(voices, dict) else ()):
+        implied = meta.get("adapter") if isinstance(meta, dict) else None
+        if implied is not None and implied not in adapters:
+            raise CheckpointError(f"{where}: voice {voice_id} names adapter {implied!r}, which it does not hold")

@@ -30,12 +30,13 @@ from aiohttp import web
 from fish_sm.engine.batching import BatchEngine, EngineStopped, Job, Overloaded
 from fish_sm.engine.engine import freeze_start_up_objects
 from fish_sm.contract import SamplingParams
-from fish_sm.errors import FishSMError, InputError
+from fish_sm.errors import AdapterError, FishSMError, InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving import bidi
-from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error, start_up_failure
-from fish_sm.serving.runtime import (Prediction, ServerConfig, ServingModel, WARMUP_TEXT, check_model_dir,
-                                     encode_prediction, load_model, resolve_reference)
+from fish_sm.serving.errors import Busy, HTTPError, NoAudio, bad_request, engine_error, start_up_failure
+from fish_sm.serving.runtime import (Prediction, ServerConfig, ServingModel, WARMUP_TEXT, adapter_label,
+                                     check_model_dir, encode_prediction, load_model, resolve_adapters,
+                                     resolve_reference)
 from fish_sm.serving.http import Limits, application, error_response, listening, read_body
 from fish_sm.serving.metrics import Metrics, RequestFigures
 from fish_sm.cloudwatch_metrics import STATE_INTERVAL_S
@@ -85,9 +86,15 @@ def _warm_up(model: ServingModel, batcher: BatchEngine) -> None:
     jobs = [Job(WARMUP_TEXT, references=(voice,) if voice and i % 2 else (), stream=i % 3 == 0,
                 params=SamplingParams(seed=i, max_new_tokens=16 * (i + 1)))
             for i in range(max(2, model.settings.warmup))]
+    if model.adapters is not None and model.adapters.packaged:  # in a batch with rows of none
+        jobs.append(Job(WARMUP_TEXT, params=SamplingParams(seed=0, max_new_tokens=8),
+                        adapter=next(iter(model.adapters.packaged))))
     for start in range(0, len(jobs), batcher.slots):
         for ticket in [batcher.submit(job) for job in jobs[start : start + batcher.slots]]:
-            ticket.result()
+            try:
+                ticket.result()
+            except AdapterError as exc:  # its requests will fail alone (422); the server serves the rest
+                logger.warning("warm-up with adapter %s failed: %s", ticket.job.adapter, exc)
 
 
 def devices() -> list[str]:
@@ -174,9 +181,12 @@ class BatchingApp:
             body = await read_body(request)
             content_type = request.headers.get("Content-Type")
             # Off the event loop: a large body takes a while to decode, and /ping must not wait.
-            requests = await asyncio.get_running_loop().run_in_executor(None, parse_body, body, content_type,
-                                                                         self.settings)
+            loop = asyncio.get_running_loop()
+            requests = await loop.run_in_executor(None, parse_body, body, content_type, self.settings)
             worker = self._least_busy()
+            # Each request's adapter, named or implied by its voice (unknown: 400); may ask S3.
+            requests = await loop.run_in_executor(None, resolve_adapters, worker.model, requests)
+            request["figures"].adapter = adapter_label(requests)
             if requests[0].stream:
                 return await self._stream(request, worker, requests[0], accept)
             jsonlines = media_type(content_type) in JSONLINES_ALIASES
@@ -209,7 +219,7 @@ class BatchingApp:
         loop = asyncio.get_running_loop()
         reference = await loop.run_in_executor(None, resolve_reference, worker.model, tts)
         job = Job(tts.text, references=(reference,) if reference is not None else (), chunk_length=tts.chunk_length,
-                  params=tts.sampling, stream=stream)
+                  params=tts.sampling, stream=stream, adapter=tts.adapter)
         events: asyncio.Queue = asyncio.Queue()
         try:
             ticket = worker.batcher.submit(job, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
@@ -218,6 +228,8 @@ class BatchingApp:
             raise Busy(str(exc), exc.retry_after_s) from None
         except InputError as exc:
             raise bad_request(str(exc)) from None
+        except AdapterError as exc:
+            raise engine_error(exc) from None
         except EngineStopped as exc:
             raise HTTPError(503, str(exc)) from None
         return ticket, events
@@ -309,12 +321,6 @@ class BatchingApp:
         finally:
             ticket.cancel()
             _log_request(request, ticket, first_byte)
-
-
-class Busy(HTTPError):
-    def __init__(self, message: str, retry_after_s: int):
-        super().__init__(503, f"{message}; retry after {retry_after_s} s")
-        self.retry_after_s = retry_after_s
 
 
 async def _next_event(request: web.Request, events: asyncio.Queue, worker: Worker):

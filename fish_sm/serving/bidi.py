@@ -15,10 +15,12 @@ the input is said in band (`{"end": true}`).
 The protocol, client to server:
 
 1. The first message is a JSON object with the fields of an `/invocations` body except "text":
-   "voice" or "reference", the sampling fields ("seed", "temperature", ..., "chunk_length") and
-   "format": "pcm" (default) or "wav". It is checked by the same code as `/invocations`
-   (`contract.parse_request`, `runtime.resolve_reference`); a bad one, or a full server (503),
-   gets an error message and the socket closes.
+   "voice" or "reference", "adapter" (a LoRA adapter; a packaged voice may imply one), the
+   sampling fields ("seed", "temperature", ..., "chunk_length") and "format": "pcm" (default) or
+   "wav". It is checked by the same code as `/invocations` (`contract.parse_request`,
+   `runtime.resolve_reference`, `runtime.resolve_adapters`); a bad one, or a full server (503),
+   gets an error message and the socket closes. An adapter that cannot be read fails the session
+   at its first sentence (422).
 2. Then text as the LLM writes it: any message not starting with "{" is text (split anywhere,
    mid-word too). The server buffers it and speaks each complete sentence at once: one that
    ends with . ! ? or … followed by whitespace or by the end of a message (not after a digit,
@@ -37,6 +39,8 @@ of open length comes first, as a streamed `/invocations` answer starts); {"queue
 message (1-based; so a client can time its first audio from the moment it sent the sentence's
 end); {"spoken": i} after the last audio of sentence i; {"done": {...}} with the session's
 totals, then the close; {"error": message, "status": HTTP-like status} for a problem.
+
+Each session, however it ends, writes one metrics line (`serving.metrics.SESSION_METRICS`).
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ from aiohttp import WSMsgType, web
 from fish_sm.contract import STREAM_FORMATS, RequestError, TTSRequest, parse_request
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.errors import HTTPError, engine_error
+from fish_sm.serving.metrics import SessionFigures
 from fish_sm.serving.request import load_json
-from fish_sm.serving.runtime import resolve_reference
+from fish_sm.serving.runtime import resolve_adapters, resolve_reference
 
 logger = logging.getLogger("fish_sm.serving")
 
@@ -109,10 +114,18 @@ class BidiSession:
         self.session = None
         self.worker = None
         self.opened = time.perf_counter()
+        self.first_queued: float | None = None  # when the first sentence went to the engine
         self.first_audio: float | None = None
         self.cancelled = False
+        self.figures = SessionFigures()
+        # done, cancelled, closed (the client left), refused (a bad first message, a full server), failed
+        self.outcome = "closed"
 
-    async def error(self, message: str, status: int = 400) -> None:
+    async def error(self, message: str, status: int = 400, ends: bool = False) -> None:
+        """Send an error; `ends`: it ends the session, whose metrics line takes its status."""
+        if ends:
+            self.figures.status = status
+            self.outcome = "refused" if self.session is None and status < 500 else "failed"
         if not self.ws.closed:
             await self.ws.send_json({"error": message, "status": status})
 
@@ -121,12 +134,12 @@ class BidiSession:
     async def open(self) -> bool:
         """Read and check the first message, resolve the voice, open the engine session."""
         if not self.server.workers:
-            await self.error("the model is still loading", 503)
+            await self.error("the model is still loading", 503, ends=True)
             return False
         try:
             msg = await self.ws.receive(timeout=FIRST_MESSAGE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            await self.error(f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g} s", 408)
+            await self.error(f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g} s", 408, ends=True)
             return False
         if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
             return False  # closed before it began
@@ -134,26 +147,34 @@ class BidiSession:
             tts = self._settings_of(msg.data)
             self.worker = self.server._least_busy()
             loop = asyncio.get_running_loop()
+            tts, = await loop.run_in_executor(None, resolve_adapters, self.worker.model, [tts])
+            self.figures.adapter = tts.adapter
             reference = await loop.run_in_executor(None, resolve_reference, self.worker.model, tts)
         except HTTPError as exc:
-            await self.error(exc.message, exc.status)
+            await self.error(exc.message, exc.status, ends=True)
             return False
         from fish_sm.engine.batching import EngineStopped, Job, Overloaded
+        from fish_sm.errors import AdapterError
 
         self.tts = tts
         self.format = tts.format or "pcm"
         self.events: asyncio.Queue = asyncio.Queue()
         job = Job("", references=(reference,) if reference is not None else (), chunk_length=tts.chunk_length,
-                  params=tts.sampling, stream=True)
+                  params=tts.sampling, stream=True, adapter=tts.adapter)
         try:
             self.session = self.worker.batcher.open_session(
                 job, sink=lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
         except Overloaded as exc:
+            self.figures.rejected, self.figures.status, self.outcome = True, 503, "refused"
             await self.ws.send_json({"error": f"{exc}; retry after {exc.retry_after_s} s", "status": 503,
                                      "retry_after_s": exc.retry_after_s})
             return False
+        except AdapterError as exc:
+            error = engine_error(exc)
+            await self.error(error.message, error.status, ends=True)
+            return False
         except EngineStopped as exc:
-            await self.error(str(exc), 503)
+            await self.error(str(exc), 503, ends=True)
             return False
         rate = self.worker.model.engine.sample_rate
         await self.ws.send_json({"ready": True, "sample_rate": rate, "format": self.format})
@@ -234,7 +255,7 @@ class BidiSession:
             await self.error(exc.message, exc.status)
             return False
         if doc.get("cancel"):
-            self.cancelled = True  # audio already queued for the client is dropped too
+            self.cancelled = self.figures.cancelled = True  # audio already queued for the client is dropped too
             self.session.cancel()
             self.events.put_nowait(("cancelled", None))
             return True
@@ -268,8 +289,9 @@ class BidiSession:
                 await self.error(str(exc))
                 continue
             except EngineStopped as exc:
-                await self.error(str(exc), 503)
+                await self.error(str(exc), 503, ends=True)
                 raise Closed() from None
+            self.first_queued = self.first_queued or time.perf_counter()
             await self.ws.send_json({"queued": len(self.sentences), "text": sentence, "part": self.parts})
             self.sentences.append(sentence)
 
@@ -281,21 +303,26 @@ class BidiSession:
             try:
                 kind, payload = await _next_event(self.request, self.events, self.worker)
             except HTTPError as exc:
-                await self.error(exc.message, exc.status)
+                await self.error(exc.message, exc.status, ends=True)
                 return
             if kind == "audio" and len(payload) and not self.cancelled:
-                self.first_audio = self.first_audio or time.perf_counter()
+                if self.first_audio is None:
+                    self.first_audio = time.perf_counter()
+                    self.figures.first_audio_ms = (self.first_audio - (self.first_queued or self.opened)) * 1e3
                 await self.ws.send_bytes(audio_out.pcm16(payload))
             elif kind == "spoken":
+                self.figures.sentences_spoken += 1
                 await self.ws.send_json({"spoken": payload})
             elif kind == "done":
+                self.outcome = "done"
                 await self.ws.send_json({"done": self._summary(payload)})
                 return
             elif kind == "error":
                 exc = engine_error(payload)
-                await self.error(exc.message, exc.status)
+                await self.error(exc.message, exc.status, ends=True)
                 return
             elif kind == "cancelled":
+                self.outcome = "cancelled"
                 await self.ws.send_json({"cancelled": True})
                 return
             elif kind == "closed":
@@ -338,8 +365,9 @@ async def bidirectional_stream(server, request: web.Request) -> web.StreamRespon
         logger.exception("session failed")
         if bidi.session is not None:
             bidi.session.cancel()
-        await bidi.error("internal error; see the server log", 500)
+        await bidi.error("internal error; see the server log", 500, ends=True)
     finally:
+        server.metrics.session(bidi.figures, bidi.outcome)
         if not ws.closed:
             await ws.close()
     return ws

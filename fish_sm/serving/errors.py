@@ -25,6 +25,14 @@ def bad_request(message: str) -> HTTPError:
     return HTTPError(400, message)
 
 
+class Busy(HTTPError):
+    """A 503 to retry after `retry_after_s` (a Retry-After header where the server can send one)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(503, f"{message}; retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
 class NoAudio(HTTPError):
     """A synthesis that ended before its first frame: nothing to answer with but an error."""
 
@@ -33,16 +41,19 @@ class NoAudio(HTTPError):
 
 
 def engine_error(exc: Exception) -> HTTPError:
-    """The answer to a synthesis that failed: the request's own fault (400), the GPU's memory
-    (503: this request only; a retry or a shorter one may fit), the engine's state (503), or ours (500)."""
+    """The answer to a synthesis that failed: the request's own fault (400), an adapter that cannot
+    be read or served (422: this request only), the GPU's memory (503: this request only; a retry
+    or a shorter one may fit), the engine's state (503), or ours (500)."""
     import torch
 
-    from fish_sm.errors import FishSMError, InputError
+    from fish_sm.errors import AdapterError, FishSMError, InputError
 
     if isinstance(exc, HTTPError):
         return exc
     if isinstance(exc, InputError):
         return bad_request(str(exc))
+    if isinstance(exc, AdapterError):
+        return HTTPError(422, " ".join(str(exc).split()))
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return HTTPError(503, "the GPU ran out of memory for this request; retry, or send a shorter text or reference")
     if isinstance(exc, FishSMError):

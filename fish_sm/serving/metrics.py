@@ -1,10 +1,16 @@
 """CloudWatch Embedded Metric Format (EMF) lines on stdout: one per request a server answers,
-and one of the batching server's state every few seconds.
+one per bidirectional-streaming session, and one of the batching server's state every few seconds.
 
 SageMaker sends a container's stdout to CloudWatch Logs, and CloudWatch turns a log line that
 is an EMF object (`_aws.Timestamp`, `_aws.CloudWatchMetrics` naming the namespace, dimensions
 and metrics, then the values as top-level keys) into metrics, with no agent or dependency. The
-names and units are fish_sm.cloudwatch_metrics'. FISH_SM_METRICS=off writes nothing. No torch.
+names and units are fish_sm.cloudwatch_metrics' (and, for adapters and sessions, this module's).
+FISH_SM_METRICS=off writes nothing. No torch.
+
+A request that used a LoRA adapter is counted twice: under the two dimensions every metric has
+(so the dashboard's and alarms' series include it) and, for ADAPTER_METRICS only, under those
+and "Adapter" (CloudWatch bills each series: a few metrics per adapter, not all). Only adapters
+the server knows become a dimension, never an unknown name from a request.
 """
 
 from __future__ import annotations
@@ -19,6 +25,22 @@ from typing import Callable, Iterable, Mapping
 
 from fish_sm.cloudwatch_metrics import (DIMENSIONS, ENDPOINT_ENV, LOCAL_ENDPOINT, NAMESPACE, REQUEST_METRICS,
                                         STATE_METRICS)
+from fish_sm.contract import ADAPTER_NAME
+
+ADAPTER_DIMENSION = "Adapter"
+# The request metrics also kept per adapter: how much each is used, how it fails, how fast it is.
+ADAPTER_METRICS = ("Requests", "Errors", "Latency", "FirstAudio", "AudioSeconds")
+# One line per bidirectional-streaming session (batching server), when it ends. SessionFirstAudio:
+# from the first sentence's text complete (queued to the engine) to its first audio sent.
+SESSION_METRICS = {
+    "Sessions": "Count",
+    "SentencesSpoken": "Count",
+    "SessionFirstAudio": "Milliseconds",
+    "SessionSeconds": "Seconds",
+    "SessionsCancelled": "Count",  # barge-in
+    "SessionsRejected": "Count",  # the server was full (503)
+    "SessionErrors": "Count",  # ended by a 5xx
+}
 
 
 @dataclass
@@ -34,6 +56,7 @@ class RequestFigures:
     queue_wait_ms: float | None = None
     rejected: bool = False  # a 503 because every slot and queue place was taken (Retry-After)
     latency_ms: float | None = None  # None: from `started` until the line is written
+    adapter: str | None = None  # the LoRA adapter the request used (a known one), the "Adapter" dimension
     started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
 
     def add_synthesis(self, frames: int, seconds: float, rtf: float | None) -> None:
@@ -55,6 +78,9 @@ class RequestFigures:
         except (KeyError, ValueError):
             return False
         self.add_queue_wait(max(0.0, (started - forwarded_at) * 1000))
+        adapter = headers.get(ADAPTER_HEADER)
+        if adapter and ADAPTER_NAME.fullmatch(adapter):
+            self.adapter = adapter
         try:
             audio = json.loads(headers.get(AUDIO_HEADER) or "null")
             if isinstance(audio, dict):
@@ -78,11 +104,35 @@ class RequestFigures:
 # The mms server's Python worker cannot write a metrics line that reaches stdout whole (the Java
 # model server logs its output through log4j, with a prefix), and never sees the requests that
 # the gate or the model server refuse; the gate, which sees every request and its answer, writes
-# the line, with what only the worker knows in two headers of its answer, taken off before the
-# client gets it: when it took the request (epoch seconds) and the audio it made (JSON).
+# the line, with what only the worker knows in headers of its answer, taken off before the
+# client gets it: when it took the request (epoch seconds), the audio it made (JSON) and the
+# adapter it used (a name).
 STARTED_HEADER = "X-Fish-SM-Started"
 AUDIO_HEADER = "X-Fish-SM-Audio"
-WORKER_HEADERS = frozenset(h.lower() for h in (STARTED_HEADER, AUDIO_HEADER))
+ADAPTER_HEADER = "X-Fish-SM-Adapter"
+WORKER_HEADERS = frozenset(h.lower() for h in (STARTED_HEADER, AUDIO_HEADER, ADAPTER_HEADER))
+
+
+@dataclass
+class SessionFigures:
+    """What one bidirectional-streaming session did, from its WebSocket's opening to its close."""
+
+    adapter: str | None = None
+    sentences_spoken: int = 0
+    first_audio_ms: float | None = None
+    cancelled: bool = False
+    rejected: bool = False  # refused at the start: the server was full
+    status: int = 200  # the status of the error that ended it, if one did
+    started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
+
+    def values(self, seconds: float) -> dict[str, float]:
+        out: dict[str, float] = {"Sessions": 1, "SentencesSpoken": self.sentences_spoken,
+                                 "SessionSeconds": round(seconds, 3), "SessionsCancelled": int(self.cancelled),
+                                 "SessionsRejected": int(self.rejected),
+                                 "SessionErrors": int(self.status >= 500 and not self.rejected)}
+        if self.first_audio_ms is not None:
+            out["SessionFirstAudio"] = round(float(self.first_audio_ms), 3)
+        return out
 
 
 def audio_header(results: Iterable) -> str | None:
@@ -99,13 +149,23 @@ def audio_header(results: Iterable) -> str | None:
 
 
 def emf_line(dimensions: dict[str, str], values: dict[str, float], units: dict[str, str],
-             properties: dict | None = None, timestamp_ms: int | None = None) -> str:
+             properties: dict | None = None, timestamp_ms: int | None = None,
+             adapter: str | None = None, adapter_metrics: Iterable[str] = ADAPTER_METRICS) -> str:
     """One EMF object as a line of JSON: the metrics `values` names (with `units`), under
-    NAMESPACE and one dimension set; `properties` are logged beside them, not as metrics."""
+    NAMESPACE and one dimension set; with `adapter`, those of `adapter_metrics` again under the
+    set and "Adapter" (a second directive); `properties` are logged beside them, not as metrics."""
+    directives = [{"Namespace": NAMESPACE, "Dimensions": [list(dimensions)],
+                   "Metrics": [{"Name": n, "Unit": units[n]} for n in values]}]
+    extra = {}
+    if adapter is not None:
+        per_adapter = [n for n in adapter_metrics if n in values]
+        if per_adapter:
+            directives.append({"Namespace": NAMESPACE, "Dimensions": [[*dimensions, ADAPTER_DIMENSION]],
+                               "Metrics": [{"Name": n, "Unit": units[n]} for n in per_adapter]})
+        extra[ADAPTER_DIMENSION] = adapter
     doc = {"_aws": {"Timestamp": int(time.time() * 1000) if timestamp_ms is None else timestamp_ms,
-                    "CloudWatchMetrics": [{"Namespace": NAMESPACE, "Dimensions": [list(dimensions)],
-                                           "Metrics": [{"Name": n, "Unit": units[n]} for n in values]}]},
-           **(properties or {}), **dimensions, **values}
+                    "CloudWatchMetrics": directives},
+           **(properties or {}), **dimensions, **extra, **values}
     return json.dumps(doc, separators=(",", ":"))
 
 
@@ -146,7 +206,16 @@ class Metrics:
             figures.latency_ms = (time.perf_counter() - figures.started) * 1000
         if self.enabled:
             self._emit(emf_line(self.dimensions, figures.values(), REQUEST_METRICS,
-                                {"StatusCode": figures.status, "Stream": figures.stream}))
+                                {"StatusCode": figures.status, "Stream": figures.stream}, adapter=figures.adapter))
+
+    def session(self, figures: SessionFigures, outcome: str) -> None:
+        """A bidirectional-streaming session's line, when it ends (`outcome`: done, cancelled, closed,
+        refused or failed, logged beside the metrics)."""
+        if self.enabled:
+            seconds = time.perf_counter() - figures.started
+            self._emit(emf_line(self.dimensions, figures.values(seconds), SESSION_METRICS,
+                                {"Outcome": outcome, "StatusCode": figures.status}, adapter=figures.adapter,
+                                adapter_metrics=("Sessions", "SentencesSpoken", "SessionFirstAudio", "SessionErrors")))
 
     def state(self, loads: list[dict]) -> None:
         if self.enabled and loads:

@@ -4,7 +4,8 @@
   load, quantize, open the compile cache, load the packaged voices, each phase timed), and
   for the sequential engine `start_model` (that, then compile, warm up, save the cache).
 - Requests: `resolve_reference` (a packaged voice, a zero-shot recording from the body or
-  S3, or the default), `synthesize` and `predict` on the sequential engine, and
+  S3, or the default), `resolve_adapters` (the LoRA adapter each uses, named or implied by its
+  voice), `synthesize` and `predict` on the sequential engine, and
   `encode_prediction`, the response body for an Accept header.
 Every problem a client can act on is an `HTTPError`.
 """
@@ -22,9 +23,10 @@ import soundfile as sf
 from fish_sm.contract import TTSRequest
 from fish_sm.engine import Engine, Reference
 from fish_sm.engine.engine import freeze_start_up_objects
-from fish_sm.errors import CheckpointError, FishSMError, InputError
+from fish_sm.errors import AdapterError, CheckpointError, FishSMError, InputError
 from fish_sm.package.voices import load_voices
 from fish_sm.serving import audio as audio_out
+from fish_sm.serving.adapters import AdapterRegistry
 from fish_sm.serving.compile_cache import CompileCache
 from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
 from fish_sm.serving.request import JSON, JSONLINES, check_accept, response_format
@@ -72,6 +74,14 @@ class ServingModel:
     model_dir: Path
     timings: dict[str, float] = field(default_factory=dict)
     compiled: bool = False  # compile (and keep a compile cache) on this device
+    adapters: AdapterRegistry | None = None  # LoRA adapters (packaged, S3 sources), when there are any
+
+
+def adapter_label(requests: list[TTSRequest]) -> str | None:
+    """The adapter a request's metrics line is counted under: the one its requests use (several
+    adapters in one JSON Lines body: none), None without."""
+    names = {r.adapter for r in requests if r.adapter is not None}
+    return names.pop() if len(names) == 1 else None
 
 
 @dataclass
@@ -116,7 +126,16 @@ def load_model(model_dir: Path, device: str, settings: Settings, batching: bool 
     if settings.default_voice and settings.default_voice not in voices:
         raise FishSMError(f"FISH_SM_DEFAULT_VOICE={settings.default_voice!r} is not a packaged voice "
                           f"(packaged: {', '.join(sorted(voices)) or 'none'})")
-    return ServingModel(engine, settings, voices, model_dir, timings, compiled), cache, phase
+    registry = AdapterRegistry.from_package(model_dir, engine.config, settings)
+    if registry.enabled:
+        # After quantizing, before compiling and before a batching engine is built: both read the adapter slots.
+        phase("adapters", lambda: engine.enable_adapters(registry, settings.adapter_memory,
+                                                         registry.rank(settings.adapter_rank)))
+        registry.on_change = engine.adapters.forget  # an S3 adapter replaced or removed is read afresh
+        logger.info("%s adapters: %d packaged, sources %s; %s", label, len(registry.packaged),
+                    ", ".join(s.uri() for s in registry.sources) or "none", engine.adapter_stats())
+    return ServingModel(engine, settings, voices, model_dir, timings, compiled,
+                        registry if registry.enabled else None), cache, phase
 
 
 def start_model(model_dir: Path, device: str, settings: Settings) -> ServingModel:
@@ -135,14 +154,34 @@ def start_model(model_dir: Path, device: str, settings: Settings) -> ServingMode
 
 
 def _warm_up(model: ServingModel) -> None:
-    """Real syntheses along every path a request takes (prefill, decode, codec), each length bucket once."""
+    """Real syntheses along every path a request takes (prefill, decode, codec), each length bucket
+    once; and with a packaged adapter, if any (it stays in memory for its first request)."""
     voice = model.voices.get(model.settings.default_voice) or next(iter(model.voices.values()), None)
     for i in range(model.settings.warmup):
         model.engine.synthesize(WARMUP_TEXT, reference=voice, seed=i, max_new_tokens=32 * (i + 1))
+    if model.adapters is not None and model.adapters.packaged:
+        name = next(iter(model.adapters.packaged))
+        try:
+            model.engine.synthesize(WARMUP_TEXT, reference=voice, seed=0, max_new_tokens=8, adapter=name)
+        except AdapterError as exc:  # its requests will fail alone (422); the server serves the rest
+            logger.warning("warm-up with adapter %s failed: %s", name, exc)
+
+
+def resolve_adapters(model: ServingModel, requests: list[TTSRequest]) -> list[TTSRequest]:
+    """The requests with the adapter each uses (named, or implied by its voice), every one known
+    here: an unknown adapter is a 400 naming it, before any synthesis. May ask S3 (off the event loop)."""
+    if model.adapters is None:
+        for request in requests:
+            if request.adapter is not None:
+                raise bad_request(f"unknown adapter {request.adapter!r}; this server has no adapters")
+        return requests
+    return [model.adapters.resolve(r, model.settings.default_voice) for r in requests]
 
 
 def predict(model: ServingModel, requests: list[TTSRequest], jsonlines: bool) -> Prediction:
-    """Synthesize every request; in JSON Lines, a line without audio answers with its own error."""
+    """Synthesize every request, each with its adapter (`resolve_adapters`: unknown ones fail the
+    whole body first); in JSON Lines, a line without audio answers with its own error."""
+    requests = resolve_adapters(model, requests)
     results = []
     for request in requests:
         try:
@@ -155,16 +194,18 @@ def predict(model: ServingModel, requests: list[TTSRequest], jsonlines: bool) ->
 
 
 def synthesize(model: ServingModel, request: TTSRequest):
-    """One request on the sequential engine: its Synthesis, or the HTTPError to answer with."""
+    """One request on the sequential engine (its adapter resolved: see `resolve_adapters`): its
+    Synthesis, or the HTTPError to answer with (an adapter that cannot be read: 422)."""
     import torch
 
     reference = resolve_reference(model, request)
     try:
         result = model.engine.synthesize(request.text, reference=reference, chunk_length=request.chunk_length,
+                                         adapter=request.adapter,
                                          temperature=request.sampling.temperature, top_p=request.sampling.top_p,
                                          repetition_penalty=request.sampling.repetition_penalty,
                                          max_new_tokens=request.sampling.max_new_tokens, seed=request.sampling.seed)
-    except (InputError, torch.cuda.OutOfMemoryError) as exc:
+    except (InputError, AdapterError, torch.cuda.OutOfMemoryError) as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()  # free what this request held, so the next one runs; fail only this one
         raise engine_error(exc) from None
@@ -199,11 +240,12 @@ def resolve_reference(model: ServingModel, request: TTSRequest) -> Reference | N
 
 
 def _fetch_s3(bucket: str, key: str, settings: Settings) -> bytes:
-    import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
+    from fish_sm.serving.s3 import s3_client
+
     try:
-        obj = boto3.client("s3").get_object(Bucket=bucket, Key=key)
+        obj = s3_client().get_object(Bucket=bucket, Key=key)
         if obj.get("ContentLength", 0) > settings.max_reference_bytes:
             raise HTTPError(413, f"s3://{bucket}/{key} is over the {settings.max_reference_bytes} byte limit")
         return obj["Body"].read()

@@ -90,7 +90,7 @@ def test_deploy_pins_the_manifest_of_the_uploaded_tarball(tiny_model, moto_url, 
     # A pin given with --env is checked against the package: the same one is kept as given...
     printed = cli(moto_url, "deploy", "trust-given", "--model-data", uri, *DEPLOY,
                   "--env", f"FISH_SM_MANIFEST_SHA256={sha(manifest)}")
-    assert "pinned" not in printed and environment(moto_url, "trust-given")["FISH_SM_MANIFEST_SHA256"] == sha(manifest)
+    assert "pinned the package's manifest" not in printed and environment(moto_url, "trust-given")["FISH_SM_MANIFEST_SHA256"] == sha(manifest)
     # ...another, which the container would refuse to serve, is an error before anything is made.
     other = "ab" * 32
     printed = cli(moto_url, "deploy", "trust-wrong", "--model-data", uri, *DEPLOY,

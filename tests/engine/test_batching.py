@@ -126,31 +126,28 @@ def test_streamed_pieces_concatenate_to_the_whole(tiny_checkpoint, voices):
 
 
 def test_streams_paced_to_their_listeners_give_the_codes_they_give_alone(tiny_checkpoint, alone, voices):
-    """Streams that yield whenever their listener has 0.1 s buffered decode at about real time,
-    taking turns in every order, and still give each request its own codes."""
+    """Streams that take turns (at most two rows a step, and yielding whenever their listener has
+    0.1 s buffered) in every order still give each request its own codes. (When a stream yields
+    is the scheduler's tests' subject, on a clock of their own: here the machine's speed would
+    decide it.)"""
     jobs = [Job(**{**job.__dict__, "stream": True}) for job in mixed_jobs(voices)[:4]]
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4,
-                          horizon_s=0.1)
-    t0 = time.perf_counter()
+                          horizon_s=0.1, step_rows=2)
+    scheduler, yielded = batcher.scheduler, []
+    decoding = scheduler.decoding
+
+    def counted():
+        rows = decoding()
+        yielded.append(len(scheduler.wanting()) - len(rows))
+        return rows
+
+    scheduler.decoding = counted
     with batcher:
         tickets = [batcher.submit(job) for job in jobs]
         paced = [t.result() for t in tickets]
-    elapsed = time.perf_counter() - t0
     for a, b in zip(alone, paced):
         assert torch.equal(b.codes, a.codes)
-    # A stream's last frame can come no sooner than its listener has played its finished codec
-    # pieces, less the horizon, less the rest at the slowest pace the scheduler assumes (0.1 s a step).
-    rate = batcher.engine.codec.sample_rate / batcher.engine.frame_length
-    earliest_end = max(_finished_piece_frames(r.frames) / rate - 0.1 - (r.frames - _finished_piece_frames(r.frames)) * 0.1
-                       for r in paced)
-    assert elapsed > earliest_end > 1.0, "the streams were decoded far ahead of their listeners"
-
-
-def _finished_piece_frames(frames: int, first: int = 4, largest: int = 64) -> int:
-    done, piece = 0, first
-    while done + piece <= frames:
-        done, piece = done + piece, min(2 * piece, largest)
-    return done
+    assert sum(yielded) > 0, "streams should have yielded turns"
 
 
 def test_overload_is_refused_at_once_and_cancel_frees_the_slot(tiny_checkpoint):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fish_sm.engine.engine import Engine, check_text
-from fish_sm.errors import FishSMError, InputError
+from fish_sm.errors import AdapterError, FishSMError, InputError
 from fish_sm.engine.batching.codec_worker import CodecWorker
 from fish_sm.engine.batching.prefix_cache import PrefixCache
 from fish_sm.engine.batching.request import EngineStopped, Event, Job, Session, Ticket
@@ -50,8 +50,10 @@ class BatchEngine:
         self.scheduler = Scheduler(slots, slots if max_queue is None else max_queue, self.model.im_end_id,
                                    self.runner.new_generator, forced_lengths,
                                    frame_rate=codec.sample_rate / codec.frame_length, horizon_s=horizon_s,
-                                   pieces=(first_piece, largest_piece), step_rows=step_rows)
+                                   pieces=(first_piece, largest_piece), step_rows=step_rows, adapters=engine.adapters)
         self._lock = threading.Condition()
+        if engine.adapters is not None:  # an adapter read on its own thread wakes the loop for its request
+            engine.adapters.on_ready = self._wake
         self._running = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what stopped the engine thread, if it failed
@@ -146,6 +148,7 @@ class BatchEngine:
         `bounded=False` queues it beyond `max_queue`, for a caller that keeps at most one job
         waiting at a time (the lines of a JSON Lines body): it never takes another client's place."""
         check_text(job.text, job.chunk_length)
+        self._check_adapter(job)
         ticket = Ticket(job, sink)
         ticket.bounded = bounded
         with self._lock:
@@ -161,6 +164,7 @@ class BatchEngine:
         its job's text (if any) the first. Raises `Overloaded` as `submit` does."""
         if not job.stream:
             raise InputError("a session streams its audio: its job needs stream=True")
+        self._check_adapter(job)
         session = Session(job, sink, self._speak, self._close)
         if job.text.strip():
             session.texts.append(job.text.strip())
@@ -171,6 +175,14 @@ class BatchEngine:
             self.scheduler.add(session)
             self._lock.notify_all()
         return session
+
+    def _check_adapter(self, job: Job) -> None:
+        if job.adapter is not None and self.engine.adapters is None:
+            raise AdapterError(f"adapter {job.adapter!r}: this server serves no adapters")
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
 
     def _speak(self, session: Session, text: str) -> None:
         check_text(text, session.job.chunk_length)

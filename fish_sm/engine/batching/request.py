@@ -36,6 +36,7 @@ class Job:
     chunk_length: int = DEFAULT_CHUNK_LENGTH
     params: SamplingParams = SamplingParams()
     stream: bool = False  # audio in pieces as frames are decoded (see codec_stream), else the whole at the end
+    adapter: str | None = None  # a LoRA adapter's name (see `Engine.enable_adapters`)
 
 
 # What a ticket's sink receives, in this order: ("admitted", None) when it leaves the queue

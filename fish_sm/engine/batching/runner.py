@@ -89,6 +89,7 @@ class ModelRunner:
         self.keyed_noise = kernels.sampling_usable(dev)
         self.window_offsets = torch.arange(PENALTY_WINDOW, device=dev)
         self.prefixes = PrefixCache(prefix_cache)
+        self.adapters = engine.adapters  # LoRA adapters (each request's slot of them), or None
         self.captured: GraphedStep | None = None  # the decode steps, first frames and admissions (CUDA, `capture`)
         self.ready_sizes: list[int] = []  # batch sizes whose decode steps are captured for every bucket
         self._to_capture: list[tuple] = []  # what `capture_next` captures, in order
@@ -238,10 +239,13 @@ class ModelRunner:
         model, slot = self.model, request.slot
         caches = [block.attention.kv_cache for block in model.layers]
         key = tuple((text, hashlib.sha256(codes.numpy().tobytes()).hexdigest()) for text, codes in references)
+        if request.adapter_slot:  # an adapter's prefix is its own (as read: one read afresh may differ)
+            key += (self.adapters.version(request.ticket.job.adapter),)
         kv = self.prefixes.get(key)
         if kv is None:
             prefix = prompt_prefix(self.engine.tokenizer, self.engine.config.num_codebooks, references)
             n = prefix.shape[1]
+            self._use_adapters([request.adapter_slot])
             model.forward_slow(to_device(prefix, self.device)[None], model.positions[:n], n, row=slot)
             kv = [t.clone() for t in cache_rows(caches, slot, n)]
             self.prefixes.put(key, kv)
@@ -312,7 +316,10 @@ class ModelRunner:
         padded at the end), then their first frames in one replay."""
         model, dev = self.model, self.device
         requests = [r for r, _, _ in group]
-        logits, hidden = self._admission(*self._admission_inputs(group))
+        inputs = self._admission_inputs(group)
+        # the spare rows of a padded batch repeat the first prompt, adapter and all
+        self._use_adapters([r.adapter_slot for r in requests] + [requests[0].adapter_slot] * (inputs[0].shape[0] - len(group)))
+        logits, hidden = self._admission(*inputs)
         logits, hidden = logits[: len(group)], hidden[: len(group)]
         rows = to_device(torch.tensor([r.slot for r in requests]), dev)
         # index_fill_, not `history[rows] = 0`, which waits for the GPU's queued work.
@@ -353,9 +360,11 @@ class ModelRunner:
         name the scratch row."""
         n = len(requests)
         batch = n if self.captured is None else next(b for b in self.ready_sizes if b >= n)
-        slots, pos, index, keys = [self.scratch] * batch, [0] * batch, [0] * batch, [0] * batch
+        slots, pos, index, keys, adapters = ([self.scratch] * batch, [0] * batch, [0] * batch, [0] * batch,
+                                             [0] * batch)
         for i, r in enumerate(requests):
             slots[i] = r.slot
+            adapters[i] = r.adapter_slot
             pos[i] = r.length + r.computed - 1  # where the last frame goes
             index[i] = r.computed - 1  # which frame of the chunk it is
             if self.keyed_noise:
@@ -364,8 +373,10 @@ class ModelRunner:
                 self.noise[i].exponential_(1, generator=r.generator)
         live = max(pos) + 1
         key_pos = self.model.positions[: attention_bucket(self.max_seq_len, live)]
-        inputs = to_device(torch.tensor([slots, pos, index, keys]), self.device)
+        inputs = to_device(torch.tensor([slots, pos, index, keys, adapters]), self.device)
         rows, input_pos, frame_index = inputs[0], inputs[1], inputs[2]
+        if self.adapters is not None:
+            self.adapters.slots.set_rows(inputs[4])
         if self.keyed_noise:
             exponential_noise(inputs[3], self.noise[:batch])
         start = (frame_index - PENALTY_WINDOW).clamp(min=0)
@@ -381,6 +392,11 @@ class ModelRunner:
         self.current[rows] = out
         copy = HostFrames(out)
         return [Queued(r, r.chunk, r.computed, i, copy) for i, r in enumerate(requests)]
+
+    def _use_adapters(self, adapter_slots: list[int]) -> None:
+        """The next call's rows use these adapter slots."""
+        if self.adapters is not None:
+            self.adapters.slots.set_rows(to_device(torch.tensor(adapter_slots), self.device))
 
     def _settle_draws(self, request: Request) -> None:
         """Draw (and drop) the noise the request's random stream owes (`Request.owed_draws`), so

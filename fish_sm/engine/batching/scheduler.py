@@ -26,6 +26,7 @@ import numpy as np
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.batching.request import Overloaded, Session, Ticket
 from fish_sm.engine.text import split_text
+from fish_sm.errors import AdapterError
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Request:
     # Frames of noise its random stream owes before the next chunk: the sequential engine draws one
     # frame past <|im_end|> (queued before the check); a request that yielded that step did not.
     owed_draws: int = 0
+    adapter_slot: int = 0  # the slot of its LoRA adapter, held while it is active (0: none)
 
     @property
     def params(self) -> SamplingParams:
@@ -59,6 +61,18 @@ class Request:
     @property
     def retired(self) -> bool:
         return self.slot < 0
+
+
+class AdapterGate(Protocol):
+    """The adapters a request may name (the engine's `AdapterCache`): whether one can be
+    claimed now, its slot held until released (None: not yet), raising for one that cannot
+    be served."""
+
+    def ready(self, name: str | None) -> bool: ...
+
+    def claim(self, name: str | None) -> int | None: ...
+
+    def release(self, slot: int) -> None: ...
 
 
 class Frames(Protocol):
@@ -105,7 +119,8 @@ class Scheduler:
 
     def __init__(self, slots: int, max_queue: int, im_end: int, generator: Callable[[int | None], object],
                  forced_lengths: bool = False, frame_rate: float = 21.5, horizon_s: float = 2.0,
-                 pieces: tuple[int, int] = (4, 64), step_rows: int = 0, clock: Callable[[], float] = time.perf_counter):
+                 pieces: tuple[int, int] = (4, 64), step_rows: int = 0, clock: Callable[[], float] = time.perf_counter,
+                 adapters: AdapterGate | None = None):
         self.slots, self.max_queue = slots, max_queue
         self.im_end = im_end  # the code that ends a chunk
         # Listener-aware turns (`decoding`): frames a second of audio; seconds of slack a stream may
@@ -121,6 +136,7 @@ class Scheduler:
         # its max_new frames, so random weights load the GPU with the lengths a benchmark intends.
         self.forced_lengths = forced_lengths
         self._generator = generator  # a request's random stream, from its seed
+        self.adapters = adapters
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._active: list[Request] = []  # in admission order
         self._free = list(range(slots))  # a heap: the lowest free slot is taken first
@@ -172,26 +188,53 @@ class Scheduler:
         return Schedule(admitted, refused, starting)
 
     def _take_waiting(self) -> tuple[list[Request], list[tuple[Ticket, Exception]]]:
-        """Waiting tickets moved into free slots, and those whose own text or parameters
-        could not be set up, with why: they fail alone."""
-        taken, refused = [], []
+        """Waiting tickets moved into free slots, and those whose own text, parameters or
+        adapter could not be set up, with why: they fail alone. A ticket whose adapter is still
+        being read keeps its place while those behind it go ahead."""
+        taken, refused, held = [], [], []
         while self._waiting and len(self._active) < self.slots:
             ticket = self._waiting.popleft()
             if ticket.cancelled:
                 continue
             try:
+                adapter_slot = self._claim_adapter(ticket)
+            except Exception as exc:
+                refused.append((ticket, exc))
+                continue
+            if adapter_slot is None:
+                held.append(ticket)
+                continue
+            try:
                 # A session's chunks are its sentences, a list that grows as they arrive.
                 chunks = ticket.texts if isinstance(ticket, Session) else split_text(ticket.job.text,
                                                                                     ticket.job.chunk_length)
-                request = Request(ticket, chunks, self._generator(ticket.job.params.seed))
+                request = Request(ticket, chunks, self._generator(ticket.job.params.seed), adapter_slot=adapter_slot)
             except Exception as exc:
+                self._release_adapter(adapter_slot)
                 refused.append((ticket, exc))
                 continue
             request.slot = heapq.heappop(self._free)
             request.last_turn = self.clock()
             self._active.append(request)
             taken.append(request)
+        self._waiting.extendleft(reversed(held))
         return taken, refused
+
+    def _claim_adapter(self, ticket: Ticket) -> int | None:
+        name = ticket.job.adapter
+        if name is None:
+            return 0
+        if self.adapters is None:
+            raise AdapterError(f"adapter {name!r}: this engine serves no adapters")
+        return self.adapters.claim(name)
+
+    def _release_adapter(self, adapter_slot: int) -> None:
+        if adapter_slot and self.adapters is not None:
+            self.adapters.release(adapter_slot)
+
+    def _admissible(self, ticket: Ticket) -> bool:
+        """A waiting ticket that a free slot could take now (its adapter, if any, read)."""
+        return ticket.job.adapter is None or self.adapters is None or self.adapters.ready(ticket.job.adapter)
 
     def next_chunk(self, request: Request) -> None:
         request.chunk += 1
@@ -229,7 +272,7 @@ class Scheduler:
         """Seconds until there is work: 0 when a ticket can take a slot, a chunk can start, a
         request was cancelled or wants a frame now; else until the first stream that yields
         wants one again (inf: nothing to do until something arrives)."""
-        if self._waiting and self._free:
+        if self._free and any(self._admissible(t) for t in self._waiting):
             return 0.0
         if any(r.ticket.cancelled or (r.finished_chunk and r.chunk + 1 < len(r.chunks)) for r in self._active):
             return 0.0
@@ -327,4 +370,5 @@ class Scheduler:
         """Free the request's slot (it must hold one)."""
         self._active.remove(request)
         heapq.heappush(self._free, request.slot)
-        request.slot, request.finished_chunk = -1, True
+        self._release_adapter(request.adapter_slot)
+        request.slot, request.finished_chunk, request.adapter_slot = -1, True, 0

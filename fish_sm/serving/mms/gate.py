@@ -18,7 +18,7 @@ The response is streamed back as it comes, and the model server's own errors (it
 
 Every answer writes its CloudWatch metrics line here (`serving.metrics`), as the batching
 server's do: the gate sees every request, those it or the model server turn away too, and the
-worker that answered adds its audio and the time it took the request in headers (see
+worker that answered adds its audio, the time it took the request and its adapter in headers (see
 `serving.metrics.STARTED_HEADER`), which the client does not get.
 """
 

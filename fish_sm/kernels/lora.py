@@ -1,0 +1,203 @@
+"""Unmerged LoRA adapters on a model, several in one batch: every module upstream adapts is
+wrapped (`LoraLinear`, `LoraEmbedding`) to add the low-rank product of the adapter that each
+row of the batch names, gathered from weights stacked over adapter slots (the
+gather-then-multiply of Punica and S-LoRA). Slot 0 holds zeros: rows without an adapter.
+
+Which slot row b uses is entry b of one index tensor, `AdapterSlots.ids`, shared by every
+wrapper; the engines fill its first B entries before running B rows, and captured CUDA graphs
+read it as an input, so one graph serves any mix of adapters. alpha/r is folded into the
+stacked lora_B, and the model's own layout is followed: w1 and w3 are one product (w13) with
+two halves, the heads keep only the rows that may be chosen.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fish_sm.model.dual_ar import DualARTransformer
+from fish_sm.model.lora import Adapter, AdapterError, targets
+
+# Most rows one call may run (decode steps and admissions are far fewer).
+MAX_ROWS = 4096
+
+
+class Adapted(nn.Module):
+    """A module (`base`) plus each row's adapter (`delta`), with the weights stacked over slots as
+    buffers and the rows' slots in `ids`."""
+
+    def __init__(self, base: nn.Module, ids: Tensor, **stacked: Tensor):
+        super().__init__()
+        self.base = base
+        for name, t in stacked.items():
+            self.register_buffer(name, t, persistent=False)
+        self.register_buffer("ids", ids, persistent=False)
+
+    @property
+    def weight(self) -> Tensor:  # what kernels that read the weight directly see (the base's)
+        return self.base.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + self.delta(x)
+
+    def delta(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class LoraLinear(Adapted):
+    """A linear layer plus each row's adapter: x·Aᵀ·Bᵀ (B scaled by alpha/r). `lora_a` [slots,
+    parts·r, in], `lora_b` [slots, parts, out/parts, r]: a product of `parts` stacked halves (w13:
+    w1's, then w3's) has one rank-r pair per half."""
+
+    def __init__(self, base: nn.Module, a: Tensor, b: Tensor, ids: Tensor):
+        super().__init__(base, ids, lora_a=a, lora_b=b)
+
+    @property
+    def bias(self):
+        return self.base.bias
+
+    def delta(self, x: Tensor) -> Tensor:
+        """The adapters' part of the output for x [B, ..., in], row b by adapter slot ids[b]."""
+        slots = self.ids[: x.shape[0]]
+        v = torch.einsum("b...i,bri->b...r", x, self.lora_a[slots])
+        b = self.lora_b[slots]
+        parts, rank = b.shape[1], b.shape[-1]
+        if parts == 1:
+            return torch.einsum("b...r,bor->b...o", v, b[:, 0])
+        v = v.unflatten(-1, (parts, rank))
+        return torch.einsum("b...kr,bkor->b...ko", v, b).flatten(-2)
+
+
+class LoraEmbedding(Adapted):
+    """An embedding plus each row's adapter: lookup t gains B·A[:, t] (B scaled by alpha/r).
+    `lora_a_t` [slots, num, r] (A transposed, so a lookup gathers rows), `lora_b` [slots, dim, r]."""
+
+    def __init__(self, base: nn.Module, a_t: Tensor, b: Tensor, ids: Tensor):
+        super().__init__(base, ids, lora_a_t=a_t, lora_b=b)
+
+    def delta(self, index: Tensor) -> Tensor:
+        """The adapters' part of the lookup of index [B, ...], row b by adapter slot ids[b]."""
+        n = index.shape[0]
+        slots = self.ids[:n]
+        v = self.lora_a_t[slots.view(n, *([1] * (index.dim() - 1))), index]
+        return torch.einsum("b...r,bdr->b...d", v, self.lora_b[slots])
+
+
+def with_delta(module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """y, a product of `module`'s weight computed without it (a kernel of our own), plus the
+    adapters' part when the module carries adapters."""
+    return y + module.delta(x) if isinstance(module, Adapted) else y
+
+
+def adapted(model: DualARTransformer) -> bool:
+    """The model carries adapter slots (`AdapterSlots`)."""
+    return isinstance(model.head, LoraLinear)
+
+
+class AdapterSlots:
+    """Room for `slots` adapters of rank up to `rank` on the model (slot 0, zeros, is 'none'),
+    and the wrappers that read it, put into the model in place."""
+
+    def __init__(self, model: DualARTransformer, slots: int, rank: int):
+        if adapted(model):
+            raise AdapterError("the model already carries adapter slots")
+        self.model, self.slots, self.rank = model, slots, rank
+        dev, dtype = model.device, model.dtype
+        self.ids = torch.zeros(MAX_ROWS, dtype=torch.long, device=dev)
+        self._head_rows = model.head_rows().to(dev)
+        self.modules: dict[str, nn.Module] = {}  # upstream target -> its wrapper
+        n = slots + 1
+        for target, (first, second) in targets(model.config).items():
+            owner, name, parts = self._place(target)
+            base = getattr(owner, name)
+            if isinstance(base, Adapted):  # w3 shares w1's wrapper
+                self.modules[target] = base
+                continue
+            if target in ("embeddings", "codebook_embeddings", "fast_embeddings"):
+                wrapper = LoraEmbedding(base, torch.zeros(n, first, rank, dtype=dtype, device=dev),
+                                        torch.zeros(n, second, rank, dtype=dtype, device=dev), self.ids)
+            else:
+                out = self._out_features(target, second) * parts
+                wrapper = LoraLinear(base, torch.zeros(n, parts * rank, first, dtype=dtype, device=dev),
+                                     torch.zeros(n, parts, out // parts, rank, dtype=dtype, device=dev), self.ids)
+            setattr(owner, name, wrapper)
+            self.modules[target] = wrapper
+        self.bytes_per_slot = sum(t.numel() * t.element_size() // n for m in set(self.modules.values())
+                                  for t in m.buffers() if t is not self.ids)
+
+    @staticmethod
+    def slot_bytes(model: DualARTransformer, rank: int) -> int:
+        """Bytes one adapter slot of `rank` takes on `model` (its dtype)."""
+        size = torch.finfo(model.dtype).bits // 8
+        n_head = model.head_rows().shape[0]
+        total = 0
+        for target, (first, second) in targets(model.config).items():
+            if target == "output":
+                second = n_head
+            elif target == "fast_output":
+                second = model.fast_output.weight.shape[0]
+            total += (first + second) * rank
+        return total * size
+
+    def _place(self, target: str) -> tuple[nn.Module, str, int]:
+        """Where an upstream target lives in our model: (owner module, attribute, halves)."""
+        m = self.model
+        if target == "output":
+            return m, "head", 1
+        if "." not in target:
+            return m, target, 1
+        stack, i, part, name = target.split(".")
+        owner = getattr(getattr(m, stack)[int(i)], part)
+        if name in ("w1", "w3"):
+            return owner, "w13", 2
+        return owner, name, 1
+
+    def _out_features(self, target: str, out: int) -> int:
+        if target == "output":
+            return self._head_rows.shape[0]
+        if target == "fast_output":
+            return self.model.fast_output.weight.shape[0]
+        return out
+
+    def load(self, slot: int, adapter: Adapter) -> None:
+        """Copy an adapter into slot (1..slots), replacing what it held; ranks below the
+        slots' are padded with zeros (the same products)."""
+        if not 1 <= slot <= self.slots:
+            raise ValueError(f"adapter slot {slot} outside 1..{self.slots}")
+        if adapter.rank > self.rank:
+            raise AdapterError(f"adapter {adapter.name!r} has rank {adapter.rank}; this server serves ranks up to "
+                               f"{self.rank} (FISH_SM_ADAPTER_RANK)")
+        self.clear(slot)
+        r, scale = adapter.rank, adapter.scaling
+        for target, (a, b) in adapter.pairs.items():
+            module = self.modules[target]
+            a, b = _on(a, module.lora_b.device), _on(b, module.lora_b.device) * scale
+            if isinstance(module, LoraEmbedding):
+                module.lora_a_t[slot, :, :r] = a.T
+                module.lora_b[slot, :, :r] = b
+                continue
+            if target == "output":
+                b = b[self._head_rows]
+            elif target == "fast_output":
+                b = b[: module.lora_b.shape[2]]
+            half = 1 if target.endswith("feed_forward.w3") else 0
+            module.lora_a[slot, half * self.rank : half * self.rank + r] = a
+            module.lora_b[slot, half, :, :r] = b
+
+    def clear(self, slot: int) -> None:
+        for module in set(self.modules.values()):
+            for t in module.buffers():
+                if t is not self.ids:
+                    t[slot].zero_()
+
+    def set_rows(self, slots: Tensor) -> None:
+        """Rows 0..len-1 of the next calls use these adapter slots (a tensor on any device)."""
+        self.ids[: slots.shape[0]].copy_(slots, non_blocking=True)
+
+
+def _on(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory, queued on the current stream
+    (a pageable copy would wait for the decode steps queued before it)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
