@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from fish_sm.model.dual_ar import DualARTransformer
-from fish_sm.model.lora import Adapter, AdapterError, targets
+from fish_sm.model.lora import Adapter, AdapterError, is_embedding, targets
 
 # Most rows one call may run (decode steps and admissions are far fewer).
 MAX_ROWS = 4096
@@ -107,37 +107,27 @@ class AdapterSlots:
         self._head_rows = model.head_rows().to(dev)
         self.modules: dict[str, nn.Module] = {}  # upstream target -> its wrapper
         n = slots + 1
-        for target, (first, second) in targets(model.config).items():
+        for target, (first, second) in _served_dims(model).items():
             owner, name, parts = self._place(target)
             base = getattr(owner, name)
             if isinstance(base, Adapted):  # w3 shares w1's wrapper
                 self.modules[target] = base
                 continue
-            if target in ("embeddings", "codebook_embeddings", "fast_embeddings"):
+            if is_embedding(target):
                 wrapper = LoraEmbedding(base, torch.zeros(n, first, rank, dtype=dtype, device=dev),
                                         torch.zeros(n, second, rank, dtype=dtype, device=dev), self.ids)
             else:
-                out = self._out_features(target, second) * parts
                 wrapper = LoraLinear(base, torch.zeros(n, parts * rank, first, dtype=dtype, device=dev),
-                                     torch.zeros(n, parts, out // parts, rank, dtype=dtype, device=dev), self.ids)
+                                     torch.zeros(n, parts, second, rank, dtype=dtype, device=dev), self.ids)
             setattr(owner, name, wrapper)
             self.modules[target] = wrapper
-        self.bytes_per_slot = sum(t.numel() * t.element_size() // n for m in set(self.modules.values())
-                                  for t in m.buffers() if t is not self.ids)
+        self.bytes_per_slot = self.slot_bytes(model, rank)
 
     @staticmethod
     def slot_bytes(model: DualARTransformer, rank: int) -> int:
         """Bytes one adapter slot of `rank` takes on `model` (its dtype)."""
         size = torch.finfo(model.dtype).bits // 8
-        n_head = model.head_rows().shape[0]
-        total = 0
-        for target, (first, second) in targets(model.config).items():
-            if target == "output":
-                second = n_head
-            elif target == "fast_output":
-                second = model.fast_output.weight.shape[0]
-            total += (first + second) * rank
-        return total * size
+        return sum((first + second) * rank * size for first, second in _served_dims(model).values())
 
     def _place(self, target: str) -> tuple[nn.Module, str, int]:
         """Where an upstream target lives in our model: (owner module, attribute, halves)."""
@@ -151,13 +141,6 @@ class AdapterSlots:
         if name in ("w1", "w3"):
             return owner, "w13", 2
         return owner, name, 1
-
-    def _out_features(self, target: str, out: int) -> int:
-        if target == "output":
-            return self._head_rows.shape[0]
-        if target == "fast_output":
-            return self.model.fast_output.weight.shape[0]
-        return out
 
     def load(self, slot: int, adapter: Adapter) -> None:
         """Copy an adapter into slot (1..slots), replacing what it held; ranks below the
@@ -201,3 +184,11 @@ def _on(t: Tensor, device: torch.device) -> Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _served_dims(model: DualARTransformer) -> dict[str, tuple[int, int]]:
+    """`targets` as the model holds them: the heads with only the rows they keep."""
+    dims = dict(targets(model.config))
+    dims["output"] = (dims["output"][0], model.head_rows().shape[0])
+    dims["fast_output"] = (dims["fast_output"][0], model.fast_output.weight.shape[0])
+    return dims
