@@ -6,7 +6,8 @@ nothing here prints: progress and notes go to the callbacks the caller passes.
 Layers depend downward: session -> s3 -> package; session -> instances, images (what EC2
 and ECR say about --instance-type and --image); naming -> container, alarms, endpoints ->
 autoscaling -> deploy_request -> deploy; status, delete, fleet (list, scale), logs and
-transform beside deploy.
+transform beside deploy; adapters (an endpoint's LoRA adapters: packaged and in its S3 source)
+below deploy, which sets that source.
 """
 
 from typing import Callable
