@@ -1,16 +1,11 @@
 """The CLI's adapter options: bad fine-tunes refused by `package --adapter` in one line with nothing
-left behind (a pickle that would run code is never run), `invoke --adapter` and `bench --adapters N`
-against a small server on loopback that records what it is sent."""
+left behind (a pickle that would run code is never run), `bench --local` counting a package's
+adapters, config-file defaults for `fish-sm adapters` (invoke --adapter and bench --adapters N:
+tests/aws/test_bench.py)."""
 
-import io
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
-import pytest
-import soundfile as sf
 import torch
 from click.testing import CliRunner
 
@@ -85,66 +80,6 @@ def test_bad_adapters_are_one_line_and_leave_nothing(tiny_checkpoint, tmp_path):
     ]:
         assert message in run("package", tiny_checkpoint, "-o", out_dir / "model.tar.gz", *args, ok=False)
     assert list(out_dir.iterdir()) == []
-
-
-class Recorder(BaseHTTPRequestHandler):
-    """The container contract in miniature: every body recorded, a short WAV back."""
-
-    protocol_version = "HTTP/1.1"
-    bodies: list = []
-
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):
-        self.send_response(200 if self.path == "/ping" else 404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def do_POST(self):
-        Recorder.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-        buf = io.BytesIO()
-        sf.write(buf, np.zeros(1600, np.float32), 16000, format="WAV", subtype="PCM_16")
-        self.send_response(200)
-        self.send_header("Content-Type", "audio/wav")
-        self.send_header("Content-Length", str(len(buf.getvalue())))
-        self.end_headers()
-        self.wfile.write(buf.getvalue())
-
-
-@pytest.fixture(scope="module")
-def recorder_url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-def test_invoke_sends_the_adapter(recorder_url, tmp_path):
-    Recorder.bodies.clear()
-    run("invoke", "--url", recorder_url, "Hello.", "--adapter", "yasuo", "-o", tmp_path / "a.wav")
-    assert Recorder.bodies == [{"text": "Hello.", "adapter": "yasuo", "format": "wav"}]
-    assert "adapter name" in run("invoke", "--url", recorder_url, "Hello.", "--adapter", "a/b", ok=False)
-    assert len(Recorder.bodies) == 1  # a bad name is refused before anything is sent
-
-
-def test_bench_spreads_requests_over_adapters(recorder_url, tmp_path):
-    Recorder.bodies.clear()
-    texts = tmp_path / "texts.txt"
-    texts.write_text("One.\nTwo.\nThree.\n")
-    printed = run("bench", "--url", recorder_url, "--adapters", 2, "--adapter-names", "a,b,c", "--texts", texts,
-                  "--requests", 5, "--concurrency", 1, "--warmup", 0, "-o", tmp_path / "report")
-    assert "requests spread over 2 adapter(s): a, b" in printed
-    assert [b["adapter"] for b in Recorder.bodies] == ["a", "b", "a", "b", "a"]
-    assert [b["text"] for b in Recorder.bodies] == ["One.", "Two.", "Three.", "One.", "Two."]
-    report = json.loads((tmp_path / "report" / "bench.json").read_text())
-    assert report["settings"]["adapters"] == 2 and report["settings"]["adapter_names"] == ["a", "b"]
-
-    assert run("bench", "--url", recorder_url, "--adapters", 4, "--adapter-names", "a,b", ok=False).strip() \
-        .endswith("--adapters 4: --adapter-names has only 2 adapter(s) (a, b)")
-    assert "--adapters with --url needs the names" in run("bench", "--url", recorder_url, "--adapters", 2, ok=False)
 
 
 def test_bench_local_counts_the_package_adapters_before_starting_it(tmp_path):

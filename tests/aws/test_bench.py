@@ -196,6 +196,34 @@ def test_invoke_url_writes_audio_and_reports_server_errors(server_url, tmp_path)
     assert Handler.requests[-1][1] == "audio/ogg"  # the format follows the output's extension
 
 
+def test_invoke_and_bench_name_adapters(server_url, tmp_path):
+    """invoke --adapter sends the field (a bad name never leaves); bench --adapters N spreads the
+    requests over N adapters round-robin and says which."""
+    run = lambda *args: CliRunner().invoke(main, [str(a) for a in args])
+    Handler.requests.clear()
+    result = run("invoke", "--url", server_url, "Hello.", "--adapter", "yasuo", "-o", tmp_path / "a.wav")
+    assert result.exit_code == 0, result.output
+    assert [body for body, _ in Handler.requests] == [{"text": "Hello.", "adapter": "yasuo", "format": "wav"}]
+    result = run("invoke", "--url", server_url, "Hello.", "--adapter", "a/b")
+    assert result.exit_code == 1 and "adapter name" in result.output and len(Handler.requests) == 1
+
+    Handler.requests.clear()
+    texts = tmp_path / "texts.txt"
+    texts.write_text("One.\nTwo.\nThree.\n")
+    result = run("bench", "--url", server_url, "--adapters", 2, "--adapter-names", "a,b,c", "--texts", texts,
+                 "--requests", 5, "--concurrency", 1, "--warmup", 0, "-o", tmp_path / "report")
+    assert result.exit_code == 0, result.output
+    assert "requests spread over 2 adapter(s): a, b" in result.output
+    assert [body["adapter"] for body, _ in Handler.requests] == ["a", "b", "a", "b", "a"]
+    assert [body["text"] for body, _ in Handler.requests] == ["One.", "Two.", "Three.", "One.", "Two."]
+    report = json.loads((tmp_path / "report" / "bench.json").read_text())
+    assert report["settings"]["adapters"] == 2 and report["settings"]["adapter_names"] == ["a", "b"]
+    result = run("bench", "--url", server_url, "--adapters", 4, "--adapter-names", "a,b")
+    assert result.exit_code == 1
+    assert result.output.strip().endswith("--adapters 4: --adapter-names has only 2 adapter(s) (a, b)")
+    assert "--adapters with --url needs the names" in run("bench", "--url", server_url, "--adapters", 2).output
+
+
 def test_url_target_error_kinds(server_url):
     with pytest.raises(ServiceError) as err:
         UrlTarget(server_url).send({"text": "fail500"})
