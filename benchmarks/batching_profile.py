@@ -1,20 +1,21 @@
 """Where the batching engine's time goes at many streams, step by step: each level (N streamed
 requests of F frames, as one burst or as a closed loop of R requests a client, as
-benchmarks/engine.py runs them) is run twice on one compiled engine:
+benchmarks/engine.py runs them) is run up to three times on one compiled engine (`--runs`):
 
-1. plain: frames/s (text to last audio, decode span, steady window), first audio, and the
-   wall time per decode step (`BatchEngine.steps`);
-2. instrumented: the host time of the engine thread's and the codec thread's calls, per
-   decode step, from a profile hook on those threads (`threading.setprofile`: nothing in
-   fish_sm is replaced; each call's time includes what it calls, and the hook slows the
-   Python it watches, so compare this run's frames/s with the plain one's); and, from a CUDA
-   profile (torch.profiler), each CUDA stream's GPU time: kernels, busy time (the union of
-   its kernels' intervals), the decode stream's busy time per step (the stream with the
-   most kernels: ~750 a step at 32 rows), and how long it and the codec's stream (the next
-   busiest) ran at the same time.
+1. plain: frames/s (text to last audio, decode span, steady window), first audio, the wall
+   time per decode step, and the engine thread's host time per step: its iterations' wall time
+   less their waits for the GPU's frames and for work (`BatchEngine.stats`, always counted);
+2. cuda: the same with a CUDA profile (torch.profiler) and no Python hook: each CUDA stream's
+   GPU time (kernels, busy time as the union of its kernels' intervals), the decode stream's
+   busy time per step (the stream with the most kernels), how long it and the codec's stream
+   (the next busiest) ran at the same time, and the wall time per step against that busy time;
+3. hook: the host time of the engine thread's and the codec thread's calls, per decode step,
+   from a profile hook on those threads (`threading.setprofile`: nothing in fish_sm is
+   replaced; each call's time includes what it calls, and the hook slows the Python it
+   watches, so compare this run's frames/s with the plain one's).
 
     python benchmarks/batching_profile.py CHECKPOINT [--streams 32] [--frames 200] [--rounds 1,6]
-        [--modes bf16] [--max-seq-len 2048] [--no-cuda-profile] [--out DIR]
+        [--modes bf16] [--max-seq-len 2048] [--runs plain,cuda,hook] [--out DIR]
 
 One JSON line per level and run; DIR/batching_profile.json (DIR: --out, else $OUT, else .).
 On a CPU it runs (without the CUDA profile) on a tiny checkpoint, to check the script.
@@ -47,15 +48,15 @@ TIMED = [
     ("fish_sm.engine.batching.engine", "BatchEngine", "_execute"),  # admissions, prefills, the step queued
     ("fish_sm.engine.batching.runner", "ModelRunner", "prefill"),  # chunks that start: prefill and first frames
     ("fish_sm.engine.batching.runner", "ModelRunner", "decode"),  # one decode step queued (its graph replay)
+    ("fish_sm.engine.batching.scheduler", "Scheduler", "decoding"),  # which slots decode (arrays)
     ("fish_sm.engine.batching.engine", "BatchEngine", "_update"),  # stop checks on the last step, hand-over
-    ("fish_sm.engine.batching.scheduler", "Scheduler", "check"),  # one request's frame checked (waits for it)
+    ("fish_sm.engine.batching.scheduler", "Scheduler", "check"),  # a step's stop checks (arrays)
     ("fish_sm.engine.generate", "HostCopy", "get"),  # waits for a copy to the host (a step's codes, audio)
-    ("fish_sm.engine.batching.engine", "BatchEngine", "_hand_over"),  # frames to the codec thread
     ("fish_sm.engine.batching.engine", "BatchEngine", "_retire"),  # a finished request leaves its slot
     ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_decode_next"),  # choose and decode one batch
     ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_pieces"),  # one batch of pieces through the codec
     ("fish_sm.engine.codec_stream", "StreamingCodec", "push_many"),  # the codec's fronts and backs
-    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_take_all"),  # frames taken in from the queue
+    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_take_all"),  # messages taken in from the queue
 ]
 
 
@@ -169,40 +170,49 @@ def gpu_summary(prof, steps: int) -> dict:
     return out
 
 
-def run_level(batcher, n: int, frames: int, rounds: int, instrumented: bool, codes: dict, cuda_profile: bool) -> dict:
-    """One level on a started-afresh engine (its threads start inside the hook's block)."""
+def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) -> dict:
+    """One level on a started-afresh engine (its threads start inside the hook's block); `run`
+    is plain, cuda (a CUDA profile) or hook (the profile hook and a CUDA profile)."""
     from fish_sm.engine.batching import Job
     from fish_sm.engine.sampling import SamplingParams
 
     prof = None
-    hook = timing_new_threads(codes) if instrumented else contextlib.nullcontext()
+    hook = timing_new_threads(codes) if run == "hook" else contextlib.nullcontext()
     with hook as timer, start_up_frozen(), batcher:
         batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()  # warm-up
         if timer is not None:
             timer.seconds.clear(), timer.calls.clear()
-        if instrumented and cuda_profile:
+        if run != "plain" and torch.cuda.is_available():
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
-        steps = batcher.steps
+        before = batcher.stats.snapshot()
         level = batching_level(batcher, n, frames, True, rounds)
-        steps = batcher.steps - steps
+        after = batcher.stats.snapshot()
         if prof is not None:
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
-    record = {"run": "instrumented" if instrumented else "plain", "streams": n, "rounds": rounds,
+    steps = after["steps"] - before["steps"]
+    per_step = {k: (after[k] - before[k]) * 1e3 / max(steps, 1) for k in ("wall_s", "wait_s", "host_s")}
+    record = {"run": run, "streams": n, "rounds": rounds,
               "aggregate_frames_per_s": level["aggregate_frames_per_s"],
               "aggregate_decode_frames_per_s": level["aggregate_decode_frames_per_s"],
               "steady_decode_frames_per_s": level.get("steady_decode_frames_per_s"),
               "per_request_decode_frames_per_s_median": level["per_request_decode_frames_per_s_median"],
               "first_audio_ms_p95": level.get("first_audio_ms_p95"), "stopped_early": level["stopped_early"],
               "wall_s": level["wall_s"], "steps": steps,
-              "decode_span_ms_per_step": level["decode_span_s"] * 1e3 / max(steps, 1)}
+              "decode_span_ms_per_step": level["decode_span_s"] * 1e3 / max(steps, 1),
+              "iteration_ms_per_step": per_step["wall_s"], "host_ms_per_step": per_step["host_s"],
+              "gpu_wait_ms_per_step": per_step["wait_s"],
+              "rows_per_step": level["aggregate_decode_frames_per_s"] * level["decode_span_s"] / max(steps, 1)}
     if timer is not None:
-        record["host_ms_per_step"] = {f"{thread}: {label}": round(s * 1e3 / max(steps, 1), 3)
+        record["hook_ms_per_step"] = {f"{thread}: {label}": round(s * 1e3 / max(steps, 1), 3)
                                       for (thread, label), s in sorted(timer.seconds.items())}
         record["calls"] = {f"{thread}: {label}": c for (thread, label), c in sorted(timer.calls.items())}
     if prof is not None:
         record["gpu"] = gpu_summary(prof, steps)
+        busy = record["gpu"].get("decode_busy_ms_per_step")
+        if busy:
+            record["gpu"]["iteration_over_busy"] = per_step["wall_s"] / busy
     return record
 
 
@@ -217,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", default="bf16", help="weights: bf16, int8 (comma-separated: one engine each)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request")
     p.add_argument("--device", default="auto")
-    p.add_argument("--no-cuda-profile", action="store_true", help="instrumented runs without torch.profiler")
+    p.add_argument("--runs", default="plain,cuda,hook",
+                   help="runs of each level: plain, cuda (a CUDA profile), hook (Python profile hook + CUDA profile)")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where batching_profile.json goes")
     a = p.parse_args(argv)
     streams = [int(s) for s in a.streams.split(",")]
@@ -238,9 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(mode, json.dumps({k: v for k, v in records.items() if k != "levels"}), flush=True)
         for n in streams:
             for r in rounds:
-                for instrumented in (False, True):
-                    record = run_level(batcher, n, a.frames, r, instrumented, codes,
-                                       device.type == "cuda" and not a.no_cuda_profile)
+                for run in a.runs.split(","):
+                    record = run_level(batcher, n, a.frames, r, run, codes)
                     records["levels"].append({"mode": mode, **record})
                     print(json.dumps(records["levels"][-1]), flush=True)
                     with open(os.path.join(a.out, "batching_profile.json"), "w") as f:

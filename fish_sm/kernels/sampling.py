@@ -23,6 +23,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -62,6 +63,20 @@ def noise_key(seed: int, draw: int) -> int:
     """The Philox key of a request's `draw`-th frame of noise: its seed and the draw's number
     mixed (63 bits, an int64 tensor's), so each frame's draws depend on nothing but them."""
     return _splitmix64((seed & _BITS64) ^ _splitmix64(draw)) >> 1
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)  # uint64 arithmetic wraps, as the scalar version's masks do
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def noise_keys(seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """`noise_key` of every (seed, draw) pair at once (uint64 seeds, int draws): int64 keys."""
+    with np.errstate(over="ignore"):
+        mixed = _splitmix64_array(np.asarray(seeds, np.uint64) ^ _splitmix64_array(np.asarray(draws).astype(np.uint64)))
+    return (mixed >> np.uint64(1)).astype(np.int64)
 
 
 def exponential_noise(keys: Tensor, out: Tensor, block: int = NOISE_BLOCK) -> Tensor:

@@ -138,7 +138,7 @@ def test_streams_paced_to_their_listeners_give_the_codes_they_give_alone(tiny_ch
 
     def counted():
         rows = decoding()
-        yielded.append(len(scheduler.wanting()) - len(rows))
+        yielded.append(len(scheduler.table.wanting()) - len(rows))
         return rows
 
     scheduler.decoding = counted
@@ -306,30 +306,52 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
     np.testing.assert_allclose(after.audio, run_alone(solo, later).audio, atol=1e-4)
 
 
+class HandDriven:
+    """A codec worker not started, driven by hand as the engine drives it: a stream opened in a
+    lane per ticket, frames handed over a step (one frame a stream) at a time."""
+
+    def __init__(self, worker: CodecWorker):
+        self.worker, self.events, self.lane = worker, {}, {}
+
+    def open(self, name: str, stream: bool = True) -> str:
+        ticket = Ticket(Job(TEXTS[0], stream=stream), sink=lambda event: self.events.setdefault(name, []).append(event[0]))
+        self.lane[name] = self.worker.lanes.take()
+        self.worker._take("open", self.lane[name], ticket)
+        return name
+
+    def give(self, name: str, codes: list) -> None:
+        for frame in codes:
+            self.worker._take("frames", np.array([self.lane[name]]), np.asarray(frame)[None])
+
+    def finish(self, name: str, spoken: list) -> None:
+        self.worker._take("finish", self.lane[name], [np.stack(spoken, axis=1)] if spoken else [])
+
+    def state(self, name: str):
+        return self.worker._state, self.lane[name]
+
+
 def test_the_codec_decodes_the_shortest_ready_pieces_first(solo):
     """A new request's first piece goes before the full-length pieces of requests already
     playing, though theirs were ready first: it waits behind one batch, not a round of all."""
-    worker = CodecWorker(solo, first_piece=4, largest_piece=64)  # not started: driven by hand
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64)
     worker.hold_s = 0  # no piece waits for company (see the next test)
-    events: dict[str, list] = {}
-
-    def ticket(name: str) -> Ticket:
-        return Ticket(Job(TEXTS[0], stream=True), sink=lambda event: events.setdefault(name, []).append(event[0]))
-
+    hand = HandDriven(worker)
     rng = np.random.default_rng(0)
-    frames = lambda t, n: [("frame", t, rng.integers(0, 1024, solo.config.num_codebooks)) for _ in range(n)]
-    playing = [ticket(f"playing{i}") for i in range(3)]
-    worker._take_all([frames(t, 4 + 8 + 16 + 32) for t in playing])
+    frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
+    playing = [hand.open(f"playing{i}") for i in range(3)]
+    for name in playing:
+        hand.give(name, frames(4 + 8 + 16 + 32))
     while worker._decode_next():  # their first four pieces
         pass
-    assert all(events[f"playing{i}"] == ["audio"] * 4 for i in range(3))
-    worker._take_all([frames(t, 64) for t in playing])  # a full-length piece each, ready first
-    new = ticket("new")
-    worker._take_all([frames(new, 4)])
+    assert all(hand.events[name] == ["audio"] * 4 for name in playing)
+    for name in playing:
+        hand.give(name, frames(64))  # a full-length piece each, ready first
+    hand.open("new")
+    hand.give("new", frames(4))
     assert worker._decode_next()
-    assert events["new"] == ["audio"] and all(len(events[f"playing{i}"]) == 4 for i in range(3))
+    assert hand.events["new"] == ["audio"] and all(len(hand.events[name]) == 4 for name in playing)
     assert worker._decode_next()  # then all three full-length pieces, in one batch
-    assert all(len(events[f"playing{i}"]) == 5 for i in range(3))
+    assert all(len(hand.events[name]) == 5 for name in playing)
     assert not worker._decode_next()
 
 
@@ -341,73 +363,89 @@ def test_pieces_of_streams_with_audio_to_spare_wait_for_company(solo, monkeypatc
 
     clock = [100.0]
     monkeypatch.setattr(codec_worker.time, "perf_counter", lambda: clock[0])
-    worker = CodecWorker(solo, first_piece=4, largest_piece=64)  # not started: driven by hand
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64)
     worker.codec.max_batch_frames = 128  # two pieces of 64 fill a batch
-    events: dict[str, list] = {}
-
-    def ticket(name: str, stream: bool = True) -> Ticket:
-        return Ticket(Job(TEXTS[0], stream=stream), sink=lambda event: events.setdefault(name, []).append(event[0]))
-
+    hand = HandDriven(worker)
     rng = np.random.default_rng(2)
-    frames = lambda t, n: [("frame", t, rng.integers(0, 1024, solo.config.num_codebooks)) for _ in range(n)]
-    a, b, whole = ticket("a"), ticket("b"), ticket("whole", stream=False)
-    worker._take_all([frames(a, 4 + 8 + 16)])
+    frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
+    a, b, whole = hand.open("a"), hand.open("b"), hand.open("whole", stream=False)
+    hand.give(a, frames(4 + 8 + 16))
     assert worker._decode_next() and worker._decode_next()  # 4, then 8: 0.56 s given, none played yet
     assert not worker._decode_next()  # the piece of 16: 0.56 s to spare, alone in its batch, waits
     assert worker._next_due() == pytest.approx(worker.hold_s)
     clock[0] += worker.hold_s
-    assert worker._decode_next() and len(events["a"]) == 3  # due: it waited hold_s
-    worker._take_all([frames(a, 32), frames(b, 4 + 8 + 16 + 32)])
+    assert worker._decode_next() and len(hand.events["a"]) == 3  # due: it waited hold_s
+    hand.give(a, frames(32))
+    hand.give(b, frames(4 + 8 + 16 + 32))
     while worker._decode_next():  # b's first two pieces at once, a's piece of 32 and b's 16 held
         pass
-    assert len(events["b"]) == 2 and len(events["a"]) == 3
+    assert len(hand.events["b"]) == 2 and len(hand.events["a"]) == 3
     clock[0] += worker.hold_s
     while worker._decode_next():
         pass
-    assert len(events["b"]) == 4 and len(events["a"]) == 4
-    worker._take_all([frames(a, 64), frames(b, 64)])  # two pieces of 64: a full batch goes at once
-    assert worker._decode_next() and len(events["a"]) == 5 and len(events["b"]) == 5
-    worker._take_all([frames(a, 64)])
+    assert len(hand.events["b"]) == 4 and len(hand.events["a"]) == 4
+    hand.give(a, frames(64))
+    hand.give(b, frames(64))  # two pieces of 64: a full batch goes at once
+    assert worker._decode_next() and len(hand.events["a"]) == 5 and len(hand.events["b"]) == 5
+    hand.give(a, frames(64))
     assert not worker._decode_next()  # alone again, with seconds to spare
-    worker._take_all([[("finish", a, [])]])  # a's last frames are in: nothing of it waits now
-    assert worker._decode_next() and len(events["a"]) == 6
-    worker._take_all([frames(whole, 4 + 8 + 16)])  # audio wanted whole: its pieces never wait
+    hand.finish(a, [])  # a's last frames are in: nothing of it waits now
+    assert worker._decode_next() and len(hand.events["a"]) == 6
+    hand.give(whole, frames(4 + 8 + 16))  # audio wanted whole: its pieces never wait
     assert worker._decode_next() and worker._decode_next() and worker._decode_next()
-    entry = worker._streams[id(b)]
-    clock[0] = entry.playing_since + entry.given_s - worker.spare_s / 2  # b's listener nearly caught up
-    worker._take_all([frames(b, 64)])
-    assert worker._decode_next() and len(events["b"]) == 6
+    state, lane = hand.state(b)
+    clock[0] = state.playing_since[lane] + state.given_s[lane] - worker.spare_s / 2  # b's listener nearly caught up
+    hand.give(b, frames(64))
+    assert worker._decode_next() and len(hand.events["b"]) == 6
 
 
 def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled_length(solo):
     """A last piece shorter than scheduled is padded to its scheduled length, so it is batched
     and ordered as one of that length: a burst of streams ending together goes a batch at a
     time, and a first piece ready meanwhile goes between two batches, not after them all."""
-    worker = CodecWorker(solo, first_piece=4, largest_piece=8)  # not started: driven by hand
+    worker = CodecWorker(solo, first_piece=4, largest_piece=8)
     worker.codec.max_batch_frames = 16  # pieces of 8 frames go two at a time
     worker.hold_s = 0
-    events: dict[str, list] = {}
-
-    def ticket(name: str) -> Ticket:
-        return Ticket(Job(TEXTS[0], stream=True), sink=lambda event: events.setdefault(name, []).append(event[0]))
-
+    hand = HandDriven(worker)
     rng = np.random.default_rng(1)
-    codes = lambda n: [rng.integers(0, 1024, solo.config.num_codebooks) for _ in range(n)]
-    ending = [ticket(f"ending{i}") for i in range(3)]
-    spoken = {id(t): codes(4 + 3) for t in ending}  # a first piece of 4, then a last one of 3 (8 scheduled)
-    worker._take_all([[("frame", t, c) for c in spoken[id(t)][:4]] for t in ending])
+    codes = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
+    ending = [hand.open(f"ending{i}") for i in range(3)]
+    spoken = {name: codes(4 + 3) for name in ending}  # a first piece of 4, then a last one of 3 (8 scheduled)
+    for name in ending:
+        hand.give(name, spoken[name][:4])
     while worker._decode_next():
         pass
-    worker._take_all([[("frame", t, c) for c in spoken[id(t)][4:]] + [("finish", t, spoken[id(t)])] for t in ending])
+    for name in ending:
+        hand.give(name, spoken[name][4:])
+        hand.finish(name, spoken[name])
     assert worker._decode_next()
-    assert sorted(len(events[f"ending{i}"]) for i in range(3)) == [1, 2, 2]
-    new = ticket("new")
-    worker._take_all([[("frame", new, c) for c in codes(4)]])
+    assert sorted(len(hand.events[name]) for name in ending) == [1, 2, 2]
+    hand.open("new")
+    hand.give("new", codes(4))
     assert worker._decode_next()
-    assert events["new"] == ["audio"] and sorted(len(events[f"ending{i}"]) for i in range(3)) == [1, 2, 2]
+    assert hand.events["new"] == ["audio"] and sorted(len(hand.events[name]) for name in ending) == [1, 2, 2]
     assert worker._decode_next()
-    assert all(len(events[f"ending{i}"]) == 2 for i in range(3))
+    assert all(len(hand.events[name]) == 2 for name in ending)
     assert not worker._decode_next()
+
+
+def test_a_lane_ring_grows_when_a_stream_s_codec_falls_behind(solo):
+    """Frames pile up in a lane beyond its ring (the codec far behind the decode loop): the ring
+    grows, and every frame comes out as it went in."""
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64)
+    hand = HandDriven(worker)
+    rng = np.random.default_rng(3)
+    others = {hand.open(f"other{i}"): rng.integers(0, 1024, (5, solo.config.num_codebooks)) for i in range(2)}
+    for other, codes in others.items():
+        hand.give(other, list(codes))
+    name = hand.open("long")
+    given = rng.integers(0, 1024, (700, solo.config.num_codebooks))
+    hand.give(name, list(given))
+    state, lane = hand.state(name)
+    assert state.ring.shape[-1] >= 700
+    np.testing.assert_array_equal(state.read(np.array([lane]), 700)[0], given.T)
+    for other, codes in others.items():  # the others' frames kept their places
+        np.testing.assert_array_equal(state.read(np.array([hand.lane[other]]), 5)[0], codes.T)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

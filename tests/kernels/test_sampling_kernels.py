@@ -1,6 +1,7 @@
 """The sampling kernels (`fish_sm.kernels.sampling`): on a GPU against the torch
 sampling they replace; on the CPU, `sample_frame`'s path for pickers that also return the
 next fast step's input."""
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +12,18 @@ from fish_sm.kernels import sampling as sampling_kernels
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and sampling_kernels.triton is not None),
                                reason="needs CUDA and Triton")
+
+
+def test_noise_keys_of_a_step_equal_each_request_s_own():
+    """The batching engine's keys for a whole step (numpy, uint64 arithmetic) are, bit for bit,
+    each request's `noise_key` (Python integers), over the seeds' whole range."""
+    rng = np.random.default_rng(0)
+    seeds = np.concatenate([rng.integers(0, 2**63, 500, dtype=np.uint64) * np.uint64(2) + np.uint64(1),
+                            np.array([0, 1, 2**64 - 1], np.uint64)])
+    draws = np.concatenate([rng.integers(0, 10**6, 500), [0, 2**31, 7]])
+    keys = sampling_kernels.noise_keys(seeds, draws)
+    assert keys.dtype == np.int64 and (keys >= 0).all()
+    assert [int(k) for k in keys] == [sampling_kernels.noise_key(int(s), int(d)) for s, d in zip(seeds, draws)]
 
 
 def test_pickers_with_the_next_input_sample_the_same_frame(tiny_checkpoint):

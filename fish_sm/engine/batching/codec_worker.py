@@ -1,9 +1,17 @@
-"""The batching engine's codec thread: codes to audio in scheduled pieces, many requests'
-pieces batched, on a thread and CUDA stream of its own beside the decode loop."""
+"""The batching engine's codec thread: codes to audio in scheduled pieces, many requests' pieces
+batched, on a thread and CUDA stream of its own beside the decode loop.
+
+Each request's stream has a lane, a row of arrays (frames received and decoded, its piece
+index, when its next piece became ready, its listener's audio) and of a ring of codes: a step's
+frames come in as one message and are written into the ring at once, which pieces are due is
+worked out over all lanes by array operations, and a batch of pieces goes to the GPU in one
+copy and comes back in one. Only a piece decoded, a sentence ended or a stream finished is
+handled one request at a time."""
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import queue
 import threading
@@ -23,6 +31,29 @@ logger = logging.getLogger("fish_sm.batching")
 # A piece of a stream with more than SPARE_S seconds of audio unplayed may wait up to HOLD_S for
 # others of its length (CodecWorker._held).
 HOLD_S, SPARE_S = 0.1, 0.3
+RING_FRAMES = 256  # frames a lane holds before the ring grows (a stream whose codec falls behind)
+
+
+class Lanes:
+    """Lane numbers for the codec's streams: taken by the engine's thread at admission, given
+    back by the codec's thread once a stream's last audio is out."""
+
+    def __init__(self):
+        self._free: list[int] = []
+        self._released: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._next = 0
+
+    def take(self) -> int:
+        with contextlib.suppress(queue.Empty):
+            while True:
+                heapq.heappush(self._free, self._released.get_nowait())
+        if self._free:
+            return heapq.heappop(self._free)
+        self._next += 1
+        return self._next - 1
+
+    def release(self, lane: int) -> None:
+        self._released.put(lane)
 
 
 class CodecWorker:
@@ -40,8 +71,11 @@ class CodecWorker:
             raise ValueError(f"codec precision {precision!r}: choose auto or float32")
         exact = {"back_dtype": engine.codec.dtype, "front_tf32": False} if precision == "float32" else {}
         self.codec = StreamingCodec(engine.codec, first_piece, largest_piece, **exact)
+        self.first, self.largest = first_piece, largest_piece
+        self.lanes = Lanes()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[int, _Audio] = {}  # id(ticket) -> its codec state, frames and audio so far
+        self._audio: list[_Audio | None] = []  # by lane
+        self._state = _LaneState(0, engine.config.num_codebooks)
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what stopped the codec thread, if it failed
         self._cuda = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
@@ -65,24 +99,33 @@ class CodecWorker:
             self._queue.put(None)
             self._thread.join()
 
-    # Each queue item is a list of (kind, ticket, codes): a step's frames travel together.
-    def frames(self, frames: list[tuple[Ticket, np.ndarray]]) -> None:
-        self._queue.put([("frame", ticket, codes) for ticket, codes in frames])
+    # -- the engine's side: one message per call, taken in order --------------------------------
 
-    def finish(self, ticket: Ticket, codes: list[np.ndarray]) -> None:
-        self._queue.put([("finish", ticket, codes)])
+    def open(self, lane: int, ticket: Ticket) -> None:
+        """A request's stream begins in `lane`."""
+        self._queue.put(("open", lane, ticket))
 
-    def end_sentence(self, ticket: Ticket, index: int) -> None:
+    def frames(self, lanes: np.ndarray, codes: np.ndarray) -> None:
+        """A step's frames: codes [rows, C] for the streams in `lanes` (one row each)."""
+        self._queue.put(("frames", lanes, codes))
+
+    def finish(self, lane: int, spoken: list[np.ndarray]) -> None:
+        """The stream's last frames are in; `spoken`: the codes [C, frames] of each of its chunks."""
+        self._queue.put(("finish", lane, spoken))
+
+    def end_sentence(self, lane: int, index: int) -> None:
         """A session's sentence `index` ends with the frames handed over so far: its last piece
         is decoded as such, ("spoken", index) follows its audio, and the next sentence starts
         a codec stream of its own."""
-        self._queue.put([("sentence", ticket, index)])
+        self._queue.put(("sentence", lane, index))
 
-    def cancel(self, ticket: Ticket) -> None:
-        self._queue.put([("cancel", ticket, None)])
+    def cancel(self, lane: int) -> None:
+        self._queue.put(("cancel", lane, None))
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    # -- the codec's thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
         """The codec thread; an error it cannot pin on a batch stops it (and, through
@@ -93,9 +136,8 @@ class CodecWorker:
             logger.exception("the codec worker failed; it decodes no more audio")
             self.failure = exc
             error = EngineStopped(f"the codec worker stopped after an internal error ({type(exc).__name__})")
-            for entry in list(self._streams.values()):
-                entry.ticket.emit("error", error)
-            self._streams.clear()
+            for lane in self._open_lanes():
+                self._drop(lane).ticket.emit("error", error)
 
     def _serve(self) -> None:
         with torch.inference_mode(), self._on_stream():
@@ -118,9 +160,8 @@ class CodecWorker:
                     self._summarise_finished()
                 except Exception as exc:  # never a dead codec thread: whoever it held gets the error
                     logger.exception("codec worker failed")
-                    for entry in self._streams.values():
-                        entry.ticket.emit("error", exc)
-                    self._streams.clear()
+                    for lane in self._open_lanes():
+                        self._drop(lane).ticket.emit("error", exc)
 
     def _drain(self) -> list:
         items = []
@@ -130,158 +171,263 @@ class CodecWorker:
         return items
 
     def _take_all(self, items: list) -> None:
-        for batch in items:
-            for kind, ticket, codes in batch or ():  # (None: the stop sentinel)
-                self._take(kind, ticket, codes)
+        for item in items:
+            if item is not None:  # (None: the stop sentinel)
+                self._take(*item)
 
-    def _take(self, kind: str, ticket: Ticket, codes) -> None:
-        key = id(ticket)
-        if kind == "cancel" or ticket.cancelled:  # (frames may be handed over just before a cancel)
-            self._streams.pop(key, None)
+    def _take(self, kind: str, lane, payload) -> None:
+        s = self._state
+        if kind == "frames":
+            lanes, codes = lane, payload
+            keep = s.active[lanes]  # (frames may be handed over just before a cancel)
+            if not keep.all():
+                lanes, codes = lanes[keep], codes[keep]
+            s.write(lanes, codes)
             return
-        entry = self._streams.setdefault(key, _Audio(ticket))
-        if kind == "frame":
-            entry.frames.append(codes)
+        if kind == "open":
+            if lane >= len(self._audio):
+                self._audio.extend([None] * (lane + 1 - len(self._audio)))
+                s.grow_lanes(lane + 1)
+            self._audio[lane] = _Audio(payload)
+            s.open(lane, payload.job.stream)
+            return
+        entry = self._audio[lane]
+        if entry is None:
+            return
+        if kind == "cancel" or entry.ticket.cancelled:
+            self._drop(lane)
         elif kind == "sentence":
-            entry.sentences.append([len(entry.frames) - sum(n for n, _ in entry.sentences), codes])
-            self._sentences_done(entry)
+            pending = int(s.received[lane] - s.consumed[lane])
+            entry.sentences.append([pending - sum(n for n, _ in entry.sentences), payload])
+            self._sentences_done(lane, entry)
         else:
-            entry.finished, entry.all_codes = time.perf_counter(), codes
+            s.finished[lane] = True
+            entry.finished, entry.all_codes = time.perf_counter(), payload
+
+    def _open_lanes(self) -> list[int]:
+        return [lane for lane, entry in enumerate(self._audio) if entry is not None]
+
+    def _drop(self, lane: int) -> "_Audio":
+        """The lane's stream is over: its state goes and the lane is given back."""
+        entry, self._audio[lane] = self._audio[lane], None
+        self._state.active[lane] = False
+        self.lanes.release(lane)
+        return entry
+
+    def _ready(self) -> tuple[np.ndarray, np.ndarray]:
+        """Lanes with a piece ready and each one's scheduled piece length: a whole piece's
+        frames are in, or the stream has finished (its last piece may be short), or a session's
+        sentence ends within it (then the piece ends with the sentence)."""
+        s = self._state
+        lanes = np.flatnonzero(s.active)
+        if not lanes.size:
+            return lanes, lanes
+        need = np.minimum(self.first << np.minimum(s.pieces[lanes], 30), self.largest)
+        sentence = s.sentence_left[lanes]
+        need = np.where(sentence >= 0, np.minimum(need, sentence), need)
+        pending = s.received[lanes] - s.consumed[lanes]
+        ready = ((need > 0) & (pending >= need)) | (s.finished[lanes] & (pending > 0))
+        return lanes[ready], need[ready]
 
     def _decode_next(self) -> bool:
         """Decode one batch of ready pieces, the shortest ones (a request's first pieces go
         before the long pieces of requests already playing), and deliver it; False when no
         piece is due. A group of pieces waits (`_held`) while it is short of a full batch and
         every stream in it has audio to spare."""
-        ready: dict[int, list[_Audio]] = {}
+        s = self._state
+        lanes, need = self._ready()
+        if not lanes.size:
+            return False
         now = time.perf_counter()
-        for entry in self._streams.values():
-            n = self.codec.next_frames(entry.stream)
-            if entry.sentences:  # a sentence's last piece may be short
-                n = min(n, entry.sentences[0][0])
-            if (n and len(entry.frames) >= n) or (entry.finished and entry.frames):
-                # By scheduled length, what a piece costs (a last, shorter piece is padded to it),
-                # so streams ending together go a batch at a time and first pieces go between.
-                ready.setdefault(n, []).append(entry)
-                entry.ready_since = entry.ready_since or now
-        due = [n for n, entries in ready.items() if not self._held(n, entries, now)]
+        s.ready_since[lanes] = np.where(s.ready_since[lanes] > 0, s.ready_since[lanes], now)
+        # By scheduled length, what a piece costs (a last, shorter piece is padded to it), so
+        # streams ending together go a batch at a time and first pieces go between.
+        due = [n for n in np.unique(need) if not self._held(int(n), lanes[need == n], now)]
         if not due:
             return False
-        n = min(due)
-        group = [(entry, entry.frames[:n]) for entry in ready[n][: self.codec.rows_for(n)]]
-        for entry, _ in group:
-            del entry.frames[:n]
-            entry.ready_since = 0.0
-        for (entry, _), samples in zip(group, self._decode_group(group)):
-            if samples is not None:
-                self._deliver(entry, samples)
-                if entry.sentences:
-                    entry.sentences[0][0] -= n
-                    self._sentences_done(entry)
+        n = int(min(due))
+        group = lanes[need == n]
+        group = group[np.lexsort((group, s.ready_since[group]))][: self.codec.rows_for(n)]  # longest ready first
+        taken = np.minimum(s.received[group] - s.consumed[group], n)
+        codes = s.read(group, n)  # [rows, C, n]: a short last piece's tail is padding, cut below
+        s.consumed[group] += taken
+        s.ready_since[group] = 0.0
+        for lane, samples, frames in zip(group, self._decode_group(group, codes, taken), taken):
+            entry = self._audio[lane]
+            if samples is None or entry is None:
+                continue
+            s.pieces[lane] = entry.stream.pieces
+            self._deliver(lane, entry, samples)
+            if entry.sentences:
+                entry.sentences[0][0] -= int(frames)
+                self._sentences_done(lane, entry)
         return True
 
-    def _sentences_done(self, entry: "_Audio") -> None:
+    def _sentences_done(self, lane: int, entry: "_Audio") -> None:
         """Sentences whose audio is all out: their end is said, the next starts a new codec stream."""
         while entry.sentences and entry.sentences[0][0] <= 0:
             _, index = entry.sentences.pop(0)
             entry.stream = CodecStream()
+            self._state.pieces[lane] = 0
             entry.ticket.emit("spoken", index)
+        self._state.sentence_left[lane] = entry.sentences[0][0] if entry.sentences else -1
 
-    def _held(self, n: int, entries: list["_Audio"], now: float) -> bool:
+    def _held(self, n: int, lanes: np.ndarray, now: float) -> bool:
         """Whether a group of ready pieces of length `n` waits: fewer than a batch, none held
         `hold_s` yet, and every one of a stream that has played less than it was given by more
         than `spare_s` (so a request's first pieces and its last, which the client waits for,
         never wait; nor a request whose whole audio is wanted at its end)."""
-        if self.hold_s <= 0 or len(entries) >= self.codec.rows_for(n):
+        if self.hold_s <= 0 or len(lanes) >= self.codec.rows_for(n):
             return False
-        return all(e.ticket.job.stream and not e.finished and not e.sentences and now < e.ready_since + self.hold_s
-                   and e.spare(now) > self.spare_s for e in entries)
+        s = self._state
+        waits = (s.stream[lanes] & ~s.finished[lanes] & (s.sentence_left[lanes] < 0)
+                 & (now < s.ready_since[lanes] + self.hold_s) & (s.spare(lanes, now) > self.spare_s))
+        return bool(waits.all())
 
     def _next_due(self) -> float | None:
         """Seconds until a held piece is due (None: nothing is held)."""
-        now = time.perf_counter()
-        held = [e for e in self._streams.values() if e.ready_since]
-        if not held:
+        s = self._state
+        held = np.flatnonzero(s.active & (s.ready_since > 0))
+        if not held.size:
             return None
-        return max(0.0, min(min(e.ready_since + self.hold_s, now + e.spare(now) - self.spare_s) for e in held) - now)
+        now = time.perf_counter()
+        due = np.minimum(s.ready_since[held] + self.hold_s, now + s.spare(held, now) - self.spare_s)
+        return max(0.0, float(due.min()) - now)
 
     def _summarise_finished(self) -> None:
-        for key, entry in list(self._streams.items()):
-            if entry.finished and not entry.frames:
-                del self._streams[key]
-                self._summarise(entry)
+        s = self._state
+        for lane in np.flatnonzero(s.active & s.finished & (s.received == s.consumed)):
+            self._summarise(self._drop(int(lane)))
 
-    def _decode_group(self, group: list[tuple["_Audio", list[np.ndarray]]]) -> list[np.ndarray | None]:
+    def _decode_group(self, lanes: np.ndarray, codes: np.ndarray, taken: np.ndarray) -> list[np.ndarray | None]:
         try:
-            return self._pieces(group)
+            return self._pieces(lanes, codes, taken)
         except Exception:  # find the one that fails: each alone (their states are as they were)
-            logger.exception("codec failed on a batch of %d pieces; retrying them one by one", len(group))
+            logger.exception("codec failed on a batch of %d pieces; retrying them one by one", len(lanes))
         audio = []
-        for entry, frames in group:
+        for i, lane in enumerate(lanes):
             try:
-                audio += self._pieces([(entry, frames)])
+                audio += self._pieces(lanes[i : i + 1], codes[i : i + 1], taken[i : i + 1])
             except Exception as exc:
-                self._streams.pop(id(entry.ticket), None)
-                entry.ticket.emit("error", exc)
+                self._drop(lane).ticket.emit("error", exc)
                 audio.append(None)
         return audio
 
-    def _pieces(self, ready: list[tuple["_Audio", list[np.ndarray]]]) -> list[np.ndarray]:
-        dev = self.engine.device
-        # Host copies through pinned memory (`to_device`, `HostCopy`): a pageable copy waits for
-        # the whole batch inside the driver, and the decode loop's CUDA calls wait with it.
-        pieces = [(entry.stream, to_device(torch.from_numpy(np.stack(frames, axis=1))[None], dev)) for entry, frames in ready]
-        saved = [entry.stream.snapshot() for entry, _ in ready]
+    def _pieces(self, lanes: np.ndarray, codes: np.ndarray, taken: np.ndarray) -> list[np.ndarray]:
+        """One batch of pieces through the codec: their codes to the GPU in one copy (through
+        pinned memory, `to_device`: a pageable copy waits for the whole batch inside the driver,
+        and the decode loop's CUDA calls wait with it), their audio back in one."""
+        entries = [self._audio[lane] for lane in lanes]
+        on_device = to_device(torch.from_numpy(codes), self.engine.device)
+        pieces = [(e.stream, on_device[i : i + 1, :, : int(n)]) for i, (e, n) in enumerate(zip(entries, taken))]
+        saved = [e.stream.snapshot() for e in entries]
         try:
             audio = self.codec.push_many(pieces)
         except Exception:
-            for (entry, _), stream in zip(ready, saved):  # as they were, for a retry
+            for entry, stream in zip(entries, saved):  # as they were, for a retry
                 entry.stream = stream
             raise
-        copies = [HostCopy(a[0].float()) for a in audio]
-        return [copy.get().numpy().copy() for copy in copies]  # (the pinned blocks back at once)
+        lengths = [a.shape[-1] for a in audio]
+        flat = HostCopy(torch.cat([a[0] for a in audio]).float()).get().numpy()
+        return np.split(flat.copy(), np.cumsum(lengths)[:-1])  # (the pinned block back at once)
 
-    def _deliver(self, entry: "_Audio", samples: np.ndarray) -> None:
+    def _deliver(self, lane: int, entry: "_Audio", samples: np.ndarray) -> None:
         ticket = entry.ticket
         if ticket.job.stream:
             if "first_audio" not in ticket.timings:
                 ticket.timings["first_audio"] = time.perf_counter() - ticket.submitted
-                entry.playing_since = time.perf_counter()
-            entry.given_s += len(samples) / self.engine.sample_rate
+                self._state.playing_since[lane] = time.perf_counter()
+            self._state.given_s[lane] += len(samples) / self.engine.sample_rate
             ticket.emit("audio", samples)
         else:
             entry.audio.append(samples)
 
     def _summarise(self, entry: "_Audio") -> None:
-        ticket, codes = entry.ticket, entry.all_codes
+        ticket, spoken = entry.ticket, entry.all_codes
         if not ticket.job.stream:
             ticket.emit("audio", np.concatenate(entry.audio) if entry.audio else np.zeros(0, np.float32))
         ticket.timings["decode"] = time.perf_counter() - entry.finished
         ticket.timings["total"] = time.perf_counter() - ticket.submitted
-        n = len(codes)
+        codes = (torch.from_numpy(np.concatenate(spoken, axis=1)) if spoken
+                 else torch.zeros(self.engine.config.num_codebooks, 0, dtype=torch.long))
+        n = codes.shape[1]
         seconds = n * self.engine.frame_length / self.engine.sample_rate
-        stacked = torch.from_numpy(np.stack(codes, axis=1)) if codes else torch.zeros(self.engine.config.num_codebooks, 0, dtype=torch.long)
         ticket.emit("done", Synthesis(audio=None, sample_rate=self.engine.sample_rate, frames=n, seconds=seconds,
                                       rtf=ticket.timings["total"] / seconds if seconds else float("inf"),
-                                      timings=dict(ticket.timings), codes=stacked))
+                                      timings=dict(ticket.timings), codes=codes))
 
 
 @dataclass
 class _Audio:
-    """A request's place in the codec: its decoder state, frames not yet decoded, audio so far."""
+    """What a lane's stream keeps besides its arrays: its ticket, its decoder state and, for a
+    whole request, its audio so far."""
 
     ticket: Ticket
     stream: CodecStream = field(default_factory=CodecStream)
-    frames: list = field(default_factory=list)
     audio: list = field(default_factory=list)
     finished: float = 0.0  # when its last frame was handed over (0: still decoding)
     all_codes: list = field(default_factory=list)
-    ready_since: float = 0.0  # when its next piece's frames were all there (0: not yet)
-    playing_since: float = 0.0  # its first audio (streamed)
-    given_s: float = 0.0  # audio streamed so far, in seconds
-    # A session's ended sentences not yet all decoded: [frames of it still in `frames`, its index]
+    # A session's ended sentences not yet all decoded: [frames of it still to decode, its index]
     sentences: list = field(default_factory=list)
 
-    def spare(self, now: float) -> float:
+
+class _LaneState:
+    """The codec's per-lane arrays: frames received and decoded (counted from the stream's
+    start), the ring of frames not yet decoded, piece index, and what `_held` weighs."""
+
+    def __init__(self, lanes: int, codebooks: int, ring: int = RING_FRAMES):
+        self.codebooks = codebooks
+        self.active = np.zeros(lanes, bool)
+        self.stream = np.zeros(lanes, bool)  # audio streamed to a listener (else wanted whole)
+        self.finished = np.zeros(lanes, bool)  # its last frame is in
+        self.received = np.zeros(lanes, np.int64)
+        self.consumed = np.zeros(lanes, np.int64)
+        self.pieces = np.zeros(lanes, np.int64)  # its codec stream's piece index (`CodecStream.pieces`)
+        self.sentence_left = np.full(lanes, -1, np.int64)  # frames left in its first ended sentence (-1: none)
+        self.ready_since = np.zeros(lanes)  # when its next piece's frames were all there (0: not yet)
+        self.playing_since = np.zeros(lanes)  # its first audio (streamed)
+        self.given_s = np.zeros(lanes)  # audio streamed so far, in seconds
+        self.ring = np.zeros((lanes, codebooks, ring), np.int64)
+
+    def grow_lanes(self, lanes: int) -> None:
+        lanes = max(lanes, 2 * len(self.active))
+        for name, value in vars(self).items():
+            if isinstance(value, np.ndarray):
+                grown = np.zeros((lanes, *value.shape[1:]), value.dtype)
+                if name == "sentence_left":
+                    grown[:] = -1
+                grown[: len(value)] = value
+                setattr(self, name, grown)
+
+    def open(self, lane: int, stream: bool) -> None:
+        self.active[lane], self.stream[lane], self.finished[lane] = True, stream, False
+        self.received[lane] = self.consumed[lane] = self.pieces[lane] = 0
+        self.sentence_left[lane] = -1
+        self.ready_since[lane] = self.playing_since[lane] = self.given_s[lane] = 0.0
+
+    def write(self, lanes: np.ndarray, codes: np.ndarray) -> None:
+        """One frame each for these lanes (codes [rows, C])."""
+        size = self.ring.shape[-1]
+        if lanes.size and int((self.received[lanes] - self.consumed[lanes]).max()) >= size:
+            self._grow_ring(2 * size)
+            size = self.ring.shape[-1]
+        self.ring[lanes, :, self.received[lanes] % size] = codes
+        self.received[lanes] += 1
+
+    def read(self, lanes: np.ndarray, n: int) -> np.ndarray:
+        """The next `n` frames of each lane from where it has decoded to: [rows, C, n]."""
+        at = (self.consumed[lanes][:, None] + np.arange(n)) % self.ring.shape[-1]
+        return np.ascontiguousarray(self.ring[lanes[:, None], :, at].transpose(0, 2, 1))
+
+    def _grow_ring(self, size: int) -> None:
+        old = self.ring.shape[-1]
+        at = self.consumed[:, None] + np.arange(old)  # every frame a lane can hold, from its oldest
+        ring = np.zeros((len(self.active), self.codebooks, size), np.int64)
+        rows = np.arange(len(self.active))[:, None]
+        ring[rows, :, at % size] = self.ring[rows, :, at % old]
+        self.ring = ring
+
+    def spare(self, lanes: np.ndarray, now: float) -> np.ndarray:
         """Seconds of streamed audio a listener who began at the first piece has not reached yet."""
-        return self.given_s - (now - self.playing_since) if self.playing_since else 0.0
+        started = self.playing_since[lanes] > 0
+        return np.where(started, self.given_s[lanes] - (now - self.playing_since[lanes]), 0.0)

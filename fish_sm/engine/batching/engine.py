@@ -1,11 +1,12 @@
 """BatchEngine: the batching engine's public face and its two threads.
 
 The engine thread repeats one iteration of three calls: `_schedule` (under the lock: wait for
-work, then the scheduler moves waiting requests into free slots and says whose next chunk
-starts), `_execute` (the runner: their prefills and first frames, then one decode step for
-every request that wants a frame, queued on the GPU) and `_update` (the scheduler's stop
-checks on the frames queued before, read while that step runs; frames go to the codec
-thread, finished requests leave their slots)."""
+work, retire cancelled requests, then the scheduler moves waiting requests into free slots and
+says whose next chunk starts), `_execute` (the runner: their prefills and first frames, then
+one decode step for every slot that wants a frame, queued on the GPU) and `_update` (the
+scheduler's stop checks on the frames queued before, read in one copy while that step runs;
+the step's codes go to the codec thread in one message, finished requests leave their slots).
+Each iteration's host time, outside its waits for the GPU and for work, is counted (`stats`)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,14 @@ import threading
 import time
 from typing import Callable
 
-import numpy as np
 import torch
 
 from fish_sm.engine.engine import Engine, check_text
 from fish_sm.errors import AdapterError, FishSMError, InputError
 from fish_sm.engine.batching.codec_worker import CodecWorker
-from fish_sm.engine.batching.prefix_cache import PrefixCache
 from fish_sm.engine.batching.request import EngineStopped, Event, Job, Session, Ticket
 from fish_sm.engine.batching.runner import ModelRunner
-from fish_sm.engine.batching.scheduler import Queued, Request, Schedule, Scheduler
+from fish_sm.engine.batching.scheduler import Request, Schedule, Scheduler, StepRows
 
 logger = logging.getLogger("fish_sm.batching")
 
@@ -50,14 +49,16 @@ class BatchEngine:
         self.scheduler = Scheduler(slots, slots if max_queue is None else max_queue, self.model.im_end_id,
                                    self.runner.new_generator, forced_lengths,
                                    frame_rate=codec.sample_rate / codec.frame_length, horizon_s=horizon_s,
-                                   pieces=(first_piece, largest_piece), step_rows=step_rows, adapters=engine.adapters)
+                                   pieces=(first_piece, largest_piece), step_rows=step_rows, adapters=engine.adapters,
+                                   codebooks=engine.config.num_codebooks, max_frames=self.runner.max_seq_len)
+        self.runner.bind(self.scheduler.table, self.scheduler.requests)
         self._lock = threading.Condition()
         if engine.adapters is not None:  # an adapter read on its own thread wakes the loop for its request
             engine.adapters.on_ready = self._wake
         self._running = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what stopped the engine thread, if it failed
-        self._decoded: list[tuple[Ticket, np.ndarray]] = []  # checked frames not yet handed to the codec
+        self.stats = StepStats()
         # The decode loop's CUDA stream, of high priority: the codec's large kernels (on a
         # stream of their own) would otherwise hold the SMs that each of a decode step's ~1,100
         # small kernels waits for, stretching every stream's frames.
@@ -78,10 +79,6 @@ class BatchEngine:
     @property
     def batch_sizes(self) -> list[int]:
         return self.runner.batch_sizes
-
-    @property
-    def prefixes(self) -> PrefixCache:
-        return self.runner.prefixes
 
     @property
     def steps(self) -> int:
@@ -151,6 +148,7 @@ class BatchEngine:
         self._check_adapter(job)
         ticket = Ticket(job, sink)
         ticket.bounded = bounded
+        ticket.on_cancel = self._cancelled
         with self._lock:
             if not self.alive():
                 raise EngineStopped("the batching engine is not running" if self.failure is None else
@@ -166,6 +164,7 @@ class BatchEngine:
             raise InputError("a session streams its audio: its job needs stream=True")
         self._check_adapter(job)
         session = Session(job, sink, self._speak, self._close)
+        session.on_cancel = self._cancelled
         if job.text.strip():
             session.texts.append(job.text.strip())
         check_text("session", job.chunk_length)
@@ -192,11 +191,21 @@ class BatchEngine:
             if not self.alive():
                 raise EngineStopped("the batching engine is not running")
             session.texts.append(text.strip())
+            self.scheduler.sentence_added(session)
             self._lock.notify_all()
 
     def _close(self, session: Session) -> None:
         with self._lock:
             session.closed = True
+            self.scheduler.session_closed(session)
+            self._lock.notify_all()
+
+    def _cancelled(self, ticket: Ticket) -> None:
+        """A ticket was cancelled (any thread): its slot is freed at the next iteration, which
+        this wakes (an idle engine would otherwise hold a cancelled session's slot until other
+        work came)."""
+        with self._lock:
+            self.scheduler.cancel(ticket)
             self._lock.notify_all()
 
     def alive(self) -> bool:
@@ -233,10 +242,11 @@ class BatchEngine:
             ticket.emit("error", error)
 
     def _serve(self) -> None:
-        pending: list[Queued] = []  # frames queued by the last iteration's step, checked in this one
+        pending: list[StepRows] = []  # frames queued by the last iteration's step, checked in this one
         on_stream = torch.cuda.stream(self.decode_stream) if self.decode_stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), on_stream:
             while True:
+                began = time.perf_counter()
                 schedule = self._schedule(pending)
                 if schedule is None:
                     break
@@ -244,6 +254,7 @@ class BatchEngine:
                     first, step = self._execute(schedule)
                     self._update(pending + first)  # while `step` runs on the GPU
                     pending = step
+                    self.stats.step(bool(step), time.perf_counter() - began)
                     if self.runner.capturing:
                         self.runner.capture_next()  # one graph between two steps
                     elif not step and not first:
@@ -260,18 +271,23 @@ class BatchEngine:
         for ticket in self.scheduler.waiting():
             ticket.emit("error", FishSMError("the server is shutting down"))
 
-    def _schedule(self, pending: list[Queued]) -> Schedule | None:
+    def _schedule(self, pending: list[StepRows]) -> Schedule | None:
         """Wait for work, then the scheduler's decisions for this iteration (under the lock);
-        None once the engine stops. Requests whose own set-up failed get their error here."""
+        None once the engine stops. Cancelled requests leave their slots first, so that waiting
+        ones can take them; requests whose own set-up failed get their error here."""
         with self._lock:
             while self._running and not self.scheduler.has_work() and not pending:
                 if self.runner.capturing:
                     break  # idle: capture the next graph (below, after an empty step)
+                waited = time.perf_counter()
                 self._lock.wait()
+                self.stats.waited(time.perf_counter() - waited)
             if not self._running:
                 return None
             if not self._codec.alive():
                 raise EngineStopped("the codec worker has stopped")
+            for request in self.scheduler.take_cancelled():
+                self._retire(request)
             schedule = self.scheduler.schedule()
         for ticket, exc in schedule.refused:
             ticket.emit("error", exc)
@@ -285,48 +301,48 @@ class BatchEngine:
             if self._running and wait > 0:
                 self._lock.wait(timeout=None if wait == math.inf else wait)
 
-    def _execute(self, schedule: Schedule) -> tuple[list[Queued], list[Queued]]:
+    def _execute(self, schedule: Schedule) -> tuple[list[StepRows], list[StepRows]]:
         """The model's work for one iteration: the admitted requests' sampling parameters into
         their slots, the prefills of the chunks that start (with their first frames), then one
-        decode step for every request that wants a frame. Returns the first frames and the
-        step's frames, both still on their way to the host."""
+        decode step for every slot that wants a frame. Returns the first frames and the step's
+        frames, both still on their way to the host."""
         for request in schedule.admitted:
             self._admit(request)
         first = self._start_chunks(schedule.starting)
-        rows = self.scheduler.decoding()
-        step = self.runner.decode(rows)
-        self.scheduler.advance(rows)
+        slots = self.scheduler.decoding()
+        step = self.runner.decode(slots)
+        self.scheduler.advance(slots)
         return first, step
 
-    def _update(self, frames: list[Queued]) -> None:
-        """Stop checks and delivery for frames queued earlier: each request's codes go to the
-        codec, a request whose last chunk ended completes, cancelled requests leave their slots."""
-        for queued in frames:
-            checked = self.scheduler.check(queued)
-            if checked.cancelled:
-                self._retire(queued.request)
-                continue
-            if checked.codes is not None:
-                self._decoded.append((queued.request.ticket, checked.codes))
-            if checked.sentence_end:  # the sentence's frames, then its end, to the codec
-                self._hand_over()
-                self._codec.end_sentence(queued.request.ticket, queued.request.chunk)
-            if checked.complete:
-                self._complete(queued.request)
-        self._hand_over()
-        for request in self.scheduler.cancelled():
-            self._retire(request)
+    def _update(self, steps: list[StepRows]) -> None:
+        """Stop checks and delivery for frames queued earlier, a step at a time: its codes go
+        to the codec in one message, then each request whose chunk ended is handled (a
+        session's sentence end, a request complete)."""
+        for rows in steps:
+            waited = time.perf_counter()
+            frames = rows.frames()  # the one wait for the GPU an iteration has
+            self.stats.waited(time.perf_counter() - waited)
+            checked = self.scheduler.check(rows, frames)
+            if checked.lanes.size:
+                self._codec.frames(checked.lanes, checked.codes)
+            for ended in checked.ended:
+                if ended.sentence_end:  # the sentence's frames, then its end, to the codec
+                    self._codec.end_sentence(ended.request.lane, ended.request.chunk)
+                if ended.complete:
+                    self._complete(ended.request)
         with self._lock:
-            ended = self.scheduler.ended_sessions()
-        for request in ended:
+            ended_sessions = self.scheduler.ended_sessions()
+        for request in ended_sessions:
             self._complete(request)
 
     def _admit(self, request: Request) -> None:
         request.ticket.timings["queue"] = time.perf_counter() - request.ticket.submitted
         request.ticket.emit("admitted", None)
+        request.lane = self.scheduler.table.lane[request.slot] = self._codec.lanes.take()
+        self._codec.open(request.lane, request.ticket)
         self.runner.set_sampling(request.slot, request.params)
 
-    def _start_chunks(self, requests: list[Request]) -> list[Queued]:
+    def _start_chunks(self, requests: list[Request]) -> list[StepRows]:
         """Prefill each request's next chunk into its slot and sample that chunk's first frame
         (`ModelRunner.prefill`). A request whose prompt fails fails alone, after the others
         started."""
@@ -347,28 +363,45 @@ class BatchEngine:
 
     def _complete(self, request: Request) -> None:
         ticket = request.ticket
-        now = time.perf_counter()
-        ticket.timings["generate"] = now - ticket.submitted - ticket.timings.get("queue", 0.0)
-        self._hand_over()  # its last frames before its end
-        self._codec.finish(ticket, request.spoken)
-        self._retire(request)
-
-    def _hand_over(self) -> None:
-        """Frames checked since the last hand-over go to the codec: once per step, not once per request."""
-        if self._decoded:
-            self._codec.frames(self._decoded)
-            self._decoded = []
+        ticket.timings["generate"] = time.perf_counter() - ticket.submitted - ticket.timings.get("queue", 0.0)
+        self._codec.finish(request.lane, request.spoken)
+        self._retire(request, to_codec=False)
 
     def _fail(self, request: Request, exc: Exception) -> None:
         request.ticket.emit("error", exc)
         self._retire(request)
 
-    def _retire(self, request: Request) -> None:
-        """Free the request's slot at once (nothing else moves)."""
+    def _retire(self, request: Request, to_codec: bool = True) -> None:
+        """Free the request's slot at once (nothing else moves); unless it completed (its codec
+        stream then finishes), its codec stream is dropped."""
         if request.retired:
             return
+        lane = request.lane
         self.scheduler.retire(request)
-        if request.ticket.cancelled:
-            self._codec.cancel(request.ticket)
+        if to_codec and lane >= 0:
+            self._codec.cancel(lane)
         with self._lock:
             self._lock.notify_all()
+
+
+class StepStats:
+    """The engine thread's iterations: how many decoded, their wall time, and the part of it
+    spent waiting (for the GPU's frames, or for work): the rest is host time, Python and launches."""
+
+    def __init__(self):
+        self.steps = 0
+        self.iterations = 0
+        self.wall_s = 0.0
+        self.wait_s = 0.0
+
+    def step(self, decoded: bool, wall_s: float) -> None:
+        self.iterations += 1
+        self.steps += decoded
+        self.wall_s += wall_s
+
+    def waited(self, seconds: float) -> None:
+        self.wait_s += seconds
+
+    def snapshot(self) -> dict:
+        return {"steps": self.steps, "iterations": self.iterations, "wall_s": self.wall_s, "wait_s": self.wait_s,
+                "host_s": self.wall_s - self.wait_s}

@@ -54,6 +54,8 @@ class Ticket:
         self.job = job
         self.cancelled = False
         self.bounded = True  # counts against the engine's max_queue while it waits
+        self.on_cancel: Callable[["Ticket"], None] | None = None  # tells the engine (set by it)
+        self.request = None  # the engine's `Request` for it, once admitted
         self.submitted = time.perf_counter()
         self.timings: dict[str, float] = {}
         self._queue: queue.SimpleQueue | None = None
@@ -63,7 +65,11 @@ class Ticket:
         self._sink = sink
 
     def cancel(self) -> None:
+        if self.cancelled:
+            return
         self.cancelled = True
+        if self.on_cancel is not None:
+            self.on_cancel(self)
 
     def emit(self, kind: str, payload) -> None:
         if not self.cancelled:

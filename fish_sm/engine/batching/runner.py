@@ -33,11 +33,12 @@ from fish_sm.engine.generate import (GraphedStep, HostCopy, admission_shape, adm
 from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.sampling import PENALTY_WINDOW, sampling_tensors
-from fish_sm.kernels import exponential_noise, noise_key
+from fish_sm.kernels import exponential_noise
 from fish_sm.errors import FishSMError
 from fish_sm.model.dual_ar import cache_rows
 from fish_sm.engine.batching.prefix_cache import PrefixCache
-from fish_sm.engine.batching.scheduler import Queued, Request
+from fish_sm.engine.batching.scheduler import Request, StepRows
+from fish_sm.engine.batching.slots import SlotTable
 
 logger = logging.getLogger("fish_sm.batching")
 
@@ -49,15 +50,11 @@ START_BATCH = 32
 MOST_SLOTS = 1024
 
 
-class HostFrames:
-    """Sampled frames [rows, 1 + C] on their way to the host (`HostCopy`): a row is read
-    once the copy is there."""
-
-    def __init__(self, frames: Tensor):
-        self._copy = HostCopy(frames)
-
-    def row(self, i: int) -> np.ndarray:
-        return self._copy.get()[i].numpy()
+def host_frames(frames: Tensor) -> Callable[[], np.ndarray]:
+    """Sampled frames [rows, 1 + C] on their way to the host in one copy (`HostCopy`): the
+    returned function waits for them."""
+    copy = HostCopy(frames)
+    return lambda: copy.get().numpy()
 
 
 class ModelRunner:
@@ -90,6 +87,9 @@ class ModelRunner:
         self.window_offsets = torch.arange(PENALTY_WINDOW, device=dev)
         self.prefixes = PrefixCache(prefix_cache)
         self.adapters = engine.adapters  # LoRA adapters (each request's slot of them), or None
+        # The scheduler's per-slot state and requests by slot (`bind`): what a step's inputs are built from.
+        self.table: SlotTable | None = None
+        self.requests: list[Request | None] = []
         self.captured: GraphedStep | None = None  # the decode steps, first frames and admissions (CUDA, `capture`)
         self.ready_sizes: list[int] = []  # batch sizes whose decode steps are captured for every bucket
         self._to_capture: list[tuple] = []  # what `capture_next` captures, in order
@@ -191,7 +191,7 @@ class ModelRunner:
         """Prompts from position 0 admitted into slots 0.. (before serving), through a
         captured admission and through the compiled layers: the padded [batch, width] and
         each way's logits [prompts, vocab] in float32."""
-        inputs = self._admission_inputs([(_Slot(i, p.shape[1]), p, 0) for i, p in enumerate(prompts)])
+        inputs = self._admission_inputs([(_Slot(i), p, 0) for i, p in enumerate(prompts)])
         captured, compiled = (self._admission(*inputs, captured=c)[0][: len(prompts)].float().clone() for c in (True, False))
         return list(inputs[0].shape[::2]), captured, compiled
 
@@ -206,6 +206,9 @@ class ModelRunner:
             positions = torch.arange(width, device=dev).expand(batch, width)
             self._admission(tokens, positions, torch.arange(batch, device=dev),
                             torch.full((batch,), width - 1, device=dev), width, from_zero=True, captured=False)
+
+    def bind(self, table: SlotTable, requests: list[Request | None]) -> None:
+        self.table, self.requests = table, requests
 
     # -- admissions ---------------------------------------------------------------------
 
@@ -253,25 +256,25 @@ class ModelRunner:
             torch._foreach_copy_(cache_rows(caches, slot, kv[0].shape[1]), kv)
         return kv[0].shape[1]
 
-    def prefill(self, ready: list[tuple[Request, Tensor, int]]) -> tuple[list[Queued], list[tuple[Request, Exception]]]:
+    def prefill(self, ready: list[tuple[Request, Tensor, int]]) -> tuple[list[StepRows], list[tuple[Request, Exception]]]:
         """Prefill each (request, prompt, start)'s prompt from `start` into its slot and sample
         its first frame: the prompts padded into batches of at most `PREFILL_TOKENS`, each one
         prefill and one first-frame replay. Returns the first frames, and the requests that
         ran out of memory on their own, with the error."""
-        queued, failed = [], []
+        steps, failed = [], []
         ready.sort(key=lambda item: (item[2] > 0, item[1].shape[1] - item[2]))  # from position 0 first, shortest first
         groups = _prefill_groups(ready, self._admission_shape)
         while groups:
             group = groups.pop(0)
             try:
-                queued += self._prefill_batch(group)
+                steps += self._prefill_batch(group)
             except torch.cuda.OutOfMemoryError as exc:
                 torch.cuda.empty_cache()
                 if len(group) > 1:  # again one at a time, each failing on its own
                     groups[:0] = [[item] for item in group]
                 else:
                     failed.append((group[0][0], exc))
-        return queued, failed
+        return steps, failed
 
     def _admission_shape(self, batch: int, width: int) -> tuple[int, int]:
         """The (batch, width) prompts from position 0 are padded to: a captured admission's on CUDA."""
@@ -298,7 +301,7 @@ class ModelRunner:
         rows = torch.tensor([r.slot for r, _, _ in group] + [group[0][0].slot] * (batch - len(group)))
         last = torch.tensor([rest.shape[1] - 1 for rest in rests])
         return (*(to_device(t, self.device) for t in (tokens, positions, rows, last)),
-                max(r.length for r, _, _ in group), not any(starts))
+                max(prompt.shape[1] for _, prompt, _ in group), not any(starts))
 
     def _admission(self, tokens: Tensor, positions: Tensor, rows: Tensor, last: Tensor, live: int, from_zero: bool,
                    captured: bool = True):
@@ -311,7 +314,7 @@ class ModelRunner:
             return self.model.forward_slow(tokens, positions, tokens.shape[-1], row=rows, last=last)
         return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
 
-    def _prefill_batch(self, group: list[tuple[Request, Tensor, int]]) -> list[Queued]:
+    def _prefill_batch(self, group: list[tuple[Request, Tensor, int]]) -> list[StepRows]:
         """One prefill for several prompts (each from its own start position, in its own slot,
         padded at the end), then their first frames in one replay."""
         model, dev = self.model, self.device
@@ -325,10 +328,11 @@ class ModelRunner:
         # index_fill_, not `history[rows] = 0`, which waits for the GPU's queued work.
         self.history.index_fill_(0, rows, 0)
         temperature, top_p, penalty = self.sampling[:, rows]
+        slots = np.array([r.slot for r in requests])
         for r in requests:
             self._settle_draws(r)
         if self.keyed_noise:
-            keys = to_device(torch.tensor([self._next_noise_key(r) for r in requests]), dev)
+            keys = to_device(torch.from_numpy(self.table.next_keys(slots)), dev)
             noise = exponential_noise(keys, torch.empty(len(requests), self.noise.shape[1], device=dev))
         else:
             noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
@@ -338,42 +342,42 @@ class ModelRunner:
         else:
             frames = self.captured.first_frame(logits, hidden, noise, temperature, top_p, penalty).clone()
         self.current[rows] = frames
-        copy = HostFrames(frames)
-        return [Queued(request, request.chunk, 0, i, copy) for i, request in enumerate(requests)]
+        return [StepRows(slots, self.table.generation[slots], self.table.chunk[slots], np.zeros(len(slots), np.int64),
+                         host_frames(frames))]
 
     # -- the decode step ----------------------------------------------------------------
 
-    def decode(self, requests: list[Request]) -> list[Queued]:
-        """Queue one frame for each of `requests` (in their slots): one step of the smallest
-        captured batch size that holds them, or several of the largest captured."""
-        if not requests:
+    def decode(self, slots: np.ndarray) -> list[StepRows]:
+        """Queue one frame for each of these slots' requests: one step of the smallest captured
+        batch size that holds them, or several of the largest captured."""
+        if not slots.size:
             return []
-        most = self.ready_sizes[-1] if self.captured is not None else len(requests)
-        queued = []
-        for start in range(0, len(requests), most):
-            queued += self._decode_rows(requests[start : start + most])
+        most = self.ready_sizes[-1] if self.captured is not None else len(slots)
+        steps = [self._decode_rows(slots[start : start + most]) for start in range(0, len(slots), most)]
         self.steps += 1
-        return queued
+        return steps
 
-    def _decode_rows(self, requests: list[Request]) -> list[Queued]:
-        """One replay (or, without graphs, one eager step) for these requests; padding rows
-        name the scratch row."""
-        n = len(requests)
+    def _decode_rows(self, slots: np.ndarray) -> StepRows:
+        """One replay (or, without graphs, one eager step) for these slots, its inputs built
+        from the slot table's arrays and copied to the GPU at once; padding rows name the
+        scratch row."""
+        n, t = len(slots), self.table
         batch = n if self.captured is None else next(b for b in self.ready_sizes if b >= n)
-        slots, pos, index, keys, adapters = ([self.scratch] * batch, [0] * batch, [0] * batch, [0] * batch,
-                                             [0] * batch)
-        for i, r in enumerate(requests):
-            slots[i] = r.slot
-            adapters[i] = r.adapter_slot
-            pos[i] = r.length + r.computed - 1  # where the last frame goes
-            index[i] = r.computed - 1  # which frame of the chunk it is
-            if self.keyed_noise:
-                keys[i] = self._next_noise_key(r)
-            else:
-                self.noise[i].exponential_(1, generator=r.generator)
-        live = max(pos) + 1
+        index = t.computed[slots] - 1  # which frame of the chunk it feeds (it samples the next)
+        inputs = np.zeros((5, batch), np.int64)
+        inputs[0] = self.scratch
+        inputs[0, :n] = slots
+        inputs[1, :n] = t.length[slots] + index  # where the last frame goes
+        inputs[2, :n] = index
+        inputs[4, :n] = t.adapter[slots]
+        if self.keyed_noise:
+            inputs[3, :n] = t.next_keys(slots)
+        else:  # each request's generator draws its noise, as the sequential engine's does
+            for i, slot in enumerate(slots):
+                self.noise[i].exponential_(1, generator=self.requests[slot].generator)
+        live = int(inputs[1, :n].max()) + 1
         key_pos = self.model.positions[: attention_bucket(self.max_seq_len, live)]
-        inputs = to_device(torch.tensor([slots, pos, index, keys, adapters]), self.device)
+        inputs = to_device(torch.from_numpy(inputs), self.device)
         rows, input_pos, frame_index = inputs[0], inputs[1], inputs[2]
         if self.adapters is not None:
             self.adapters.slots.set_rows(inputs[4])
@@ -390,8 +394,7 @@ class ModelRunner:
             out = self.captured(*args, key_pos=key_pos, rows=rows)
         self.history[rows[:, None], self.codebook_rows[None, :], frame_index[:, None]] = out
         self.current[rows] = out
-        copy = HostFrames(out)
-        return [Queued(r, r.chunk, r.computed, i, copy) for i, r in enumerate(requests)]
+        return StepRows(slots, t.generation[slots], t.chunk[slots], index + 1, host_frames(out[:n]))
 
     def _use_adapters(self, adapter_slots: list[int]) -> None:
         """The next call's rows use these adapter slots."""
@@ -401,18 +404,12 @@ class ModelRunner:
     def _settle_draws(self, request: Request) -> None:
         """Draw (and drop) the noise the request's random stream owes (`Request.owed_draws`), so
         that its next chunk draws what it would alone."""
-        for _ in range(request.owed_draws):
-            if self.keyed_noise:
-                request.draws += 1
-            else:
+        if self.keyed_noise:
+            self.table.draws[request.slot] += request.owed_draws
+        else:
+            for _ in range(request.owed_draws):
                 torch.empty(self.noise.shape[1], device=self.device).exponential_(1, generator=request.generator)
         request.owed_draws = 0
-
-    @staticmethod
-    def _next_noise_key(request: Request) -> int:
-        """The key of the request's next frame of noise (counting it drawn)."""
-        request.draws += 1
-        return noise_key(request.generator.initial_seed(), request.draws - 1)
 
 
 def _prefill_groups(ready: list, padded: Callable[[int, int], tuple[int, int]] = lambda b, w: (b, w)) -> list[list]:
@@ -435,4 +432,3 @@ class _Slot:
     """What `_admission_inputs` reads of a request: a stand-in for start-up checks."""
 
     slot: int
-    length: int

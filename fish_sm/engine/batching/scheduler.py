@@ -1,16 +1,20 @@
 """The batching engine's scheduler: which requests wait and which hold slots, where each one
-is in its text, which of them decode at each step, and when they stop. Plain Python over
-requests, no tensors: the runner does the model's work for what it decides (`ModelRunner`).
+is in its text, which of them decode at each step, and when they stop. No tensors: the
+runner does the model's work for what it decides (`ModelRunner`).
 
-A request holds one slot (its rows of the KV cache and step state) from admission to its end;
-steps name the slots they decode, so a step may take any of the active requests. Listeners,
-not frames, set the order (`decoding`): a streamed request with more than `horizon_s` seconds
-of slack (its listener's audio left to play, less the time to make its next codec piece)
-yields its turn, the first frames of a new request go first, then streams by least slack,
-then whole (non-streamed) requests, which fill the spare rows and gain priority the longer
-they wait. While requests
-wait for a slot nobody yields: finishing early frees slots. A waiting queue of bounded length
-holds the rest; beyond it `add` refuses at once (`Overloaded`)."""
+A request holds one slot (its rows of the KV cache and its entry of the `SlotTable`) from
+admission to its end; steps name the slots they decode, so a step may take any of the active
+requests. The per-step work is array operations over the table (`decoding`, `advance`,
+`check`): only requests with an event (admitted, a chunk starting or ending, a first frame,
+a cancel) are touched one by one.
+
+Listeners, not frames, set the order (`decoding`): a streamed request with more than
+`horizon_s` seconds of slack (its listener's audio left to play, less the time to make its
+next codec piece) yields its turn, the first frames of a new request go first, then streams by
+least slack, then whole (non-streamed) requests, which fill the spare rows and gain priority
+the longer they wait. While requests wait for a slot nobody yields: finishing early frees
+slots. A waiting queue of bounded length holds the rest; beyond it `add` refuses at once
+(`Overloaded`)."""
 
 from __future__ import annotations
 
@@ -25,34 +29,29 @@ import numpy as np
 
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.batching.request import Overloaded, Session, Ticket
+from fish_sm.engine.batching.slots import SlotTable
 from fish_sm.engine.text import split_text
 from fish_sm.errors import AdapterError
 
 
 @dataclass
 class Request:
-    """A ticket's state while the engine holds it."""
+    """What the engine keeps of an admitted ticket besides its `SlotTable` entry: its text,
+    its random stream and the codes of its finished chunks."""
 
     ticket: Ticket
     chunks: list[str]
     generator: object  # its random stream (a torch.Generator the runner makes and draws from)
     slot: int = -1
-    draws: int = 0  # frames of noise drawn so far (the counter of `kernels.noise_key`)
+    generation: int = 0  # its slot's generation (`SlotTable.generation`) while it holds the slot
+    lane: int = -1  # its stream's lane in the codec worker
+    adapter_slot: int = 0  # the slot of its LoRA adapter, held while it is active (0: none)
     chunk: int = -1  # index into chunks; -1 before the first prefill
-    length: int = 0  # prompt tokens of the current chunk
-    max_new: int = 0
-    computed: int = 0  # frames of this chunk computed (queued) so far
-    finished_chunk: bool = True  # no more frames wanted from this chunk
-    codes: list[np.ndarray] = field(default_factory=list)  # this chunk's frames, [C] each
     previous: list[tuple[str, np.ndarray]] = field(default_factory=list)  # the last chunk's text and codes [C, frames]
-    spoken: list[np.ndarray] = field(default_factory=list)  # the frames of all finished chunks
-    frames: int = 0  # frames queued so far, all chunks together
-    playing: float | None = None  # when its listener's playback began (its first frame checked; perf_counter)
-    last_turn: float = 0.0  # when it last had a frame queued (perf_counter)
+    spoken: list[np.ndarray] = field(default_factory=list)  # the codes [C, frames] of each finished chunk
     # Frames of noise its random stream owes before the next chunk: the sequential engine draws one
     # frame past <|im_end|> (queued before the check); a request that yielded that step did not.
     owed_draws: int = 0
-    adapter_slot: int = 0  # the slot of its LoRA adapter, held while it is active (0: none)
 
     @property
     def params(self) -> SamplingParams:
@@ -75,20 +74,16 @@ class AdapterGate(Protocol):
     def release(self, slot: int) -> None: ...
 
 
-class Frames(Protocol):
-    """Sampled frames on their way to the host (the runner's `HostFrames`)."""
+class StepRows(NamedTuple):
+    """Rows of frames queued on the GPU (a decode step's, or the first frames of chunks that
+    started): for row i, the slot, its generation and chunk when queued, and which frame of
+    the chunk it is; `frames()` waits for the rows' codes [rows, 1 + C] on the host."""
 
-    def row(self, i: int) -> np.ndarray: ...
-
-
-class Queued(NamedTuple):
-    """A frame queued on the GPU: whose, which chunk and frame of it, and where to read it."""
-
-    request: Request
-    chunk: int
-    index: int  # frame of the chunk
-    row: int  # row of `frames`
-    frames: Frames
+    slots: np.ndarray
+    generation: np.ndarray
+    chunk: np.ndarray
+    index: np.ndarray
+    frames: Callable[[], np.ndarray]
 
 
 @dataclass
@@ -102,15 +97,23 @@ class Schedule:
 
 
 @dataclass
-class Checked:
-    """A queued frame's verdict: its codes to deliver, if any; whether its request was
-    cancelled (to retire) or is now complete (all its chunks spoken); whether a session's
-    sentence (chunk) ended with it."""
+class Ended:
+    """A request whose chunk ended with a checked frame: whether that completed the request
+    (all its chunks spoken) and whether it ended a session's sentence."""
 
-    codes: np.ndarray | None = None
-    cancelled: bool = False
-    complete: bool = False
-    sentence_end: bool = False
+    request: Request
+    complete: bool
+    sentence_end: bool
+
+
+@dataclass
+class Checked:
+    """A step's verdict: the codes to deliver (their codec lanes and codes [rows, C]) and the
+    requests whose chunk ended, in row order."""
+
+    lanes: np.ndarray
+    codes: np.ndarray
+    ended: list[Ended]
 
 
 class Scheduler:
@@ -120,7 +123,7 @@ class Scheduler:
     def __init__(self, slots: int, max_queue: int, im_end: int, generator: Callable[[int | None], object],
                  forced_lengths: bool = False, frame_rate: float = 21.5, horizon_s: float = 2.0,
                  pieces: tuple[int, int] = (4, 64), step_rows: int = 0, clock: Callable[[], float] = time.perf_counter,
-                 adapters: AdapterGate | None = None):
+                 adapters: AdapterGate | None = None, codebooks: int = 1, max_frames: int = 1):
         self.slots, self.max_queue = slots, max_queue
         self.im_end = im_end  # the code that ends a chunk
         # Listener-aware turns (`decoding`): frames a second of audio; seconds of slack a stream may
@@ -129,6 +132,7 @@ class Scheduler:
         # piece go first); most rows a step (0: all).
         self.frame_rate, self.horizon_s, self.step_rows = frame_rate, horizon_s, step_rows
         self.first_frames, self.largest_piece = pieces
+        self._boundaries, self._ramp_end = _piece_boundaries(*pieces)
         self.clock = clock
         self.step_s = 0.0  # recent seconds between two decode steps (a moving average)
         self._last_step: float | None = None
@@ -137,33 +141,36 @@ class Scheduler:
         self.forced_lengths = forced_lengths
         self._generator = generator  # a request's random stream, from its seed
         self.adapters = adapters
+        self.table = SlotTable(slots, codebooks, max_frames)
+        self.requests: list[Request | None] = [None] * slots  # by slot
         self._waiting: collections.deque[Ticket] = collections.deque()
-        self._active: list[Request] = []  # in admission order
         self._free = list(range(slots))  # a heap: the lowest free slot is taken first
+        self._cancelled: list[Request] = []  # active requests cancelled since the last schedule
+        self._closed: set[int] = set()  # slots of sessions closed while active, to end once all is spoken
 
     # -- the queue ----------------------------------------------------------------------
 
     def add(self, ticket: Ticket) -> None:
         """Queue a ticket; raises `Overloaded` when it is bounded and no slot and no queue place is free."""
         waiting = sum(t.bounded for t in self._waiting)
-        if ticket.bounded and waiting >= self.slots - len(self._active) + self.max_queue:
+        if ticket.bounded and waiting >= len(self._free) + self.max_queue:
             raise Overloaded(f"all {self.slots} slots are busy and {self.max_queue} requests wait already",
                              retry_after_s=1)
         self._waiting.append(ticket)
 
     @property
     def num_active(self) -> int:
-        return len(self._active)
+        return self.slots - len(self._free)
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._active)
+        return bool(self._waiting) or len(self._free) < self.slots
 
     def active(self) -> list[Request]:
-        return list(self._active)
+        return [r for r in self.requests if r is not None]
 
     def waiting(self) -> list[Ticket]:
         return list(self._waiting)
@@ -174,8 +181,31 @@ class Scheduler:
 
     def drop_active(self) -> list[Request]:
         """Every active request, let go of without moving any (the engine has stopped)."""
-        active, self._active = self._active, []
+        active = self.active()
+        self.requests = [None] * self.slots
+        self.table.active[:] = False
         return active
+
+    # -- events from other threads (under the engine's lock) ----------------------------------
+
+    def cancel(self, ticket: Ticket) -> None:
+        """A ticket was cancelled: an active one leaves its slot at the next schedule (a waiting
+        one is dropped when it would be admitted)."""
+        request = getattr(ticket, "request", None)
+        if request is not None and not request.retired:
+            self.table.cancelled[request.slot] = True
+            self._cancelled.append(request)
+
+    def sentence_added(self, session: Session) -> None:
+        """A session's text list grew: an active session has one more chunk to speak."""
+        request = getattr(session, "request", None)
+        if request is not None and not request.retired:
+            self.table.chunks[request.slot] = len(request.chunks)
+
+    def session_closed(self, session: Session) -> None:
+        request = getattr(session, "request", None)
+        if request is not None and not request.retired:
+            self._closed.add(request.slot)
 
     # -- one iteration ------------------------------------------------------------------
 
@@ -183,16 +213,20 @@ class Scheduler:
         """Waiting tickets into free slots, and the requests whose next chunk starts now
         (those just admitted and those done with a chunk that have another)."""
         admitted, refused = self._take_waiting()
-        starting = [r for r in self._active if r.finished_chunk and not r.ticket.cancelled
-                    and r.chunk + 1 < len(r.chunks)]
+        starting = [self.requests[slot] for slot in self.table.starting()]
         return Schedule(admitted, refused, starting)
+
+    def take_cancelled(self) -> list[Request]:
+        """Active requests cancelled since the last call, to retire."""
+        cancelled, self._cancelled = [r for r in self._cancelled if not r.retired], []
+        return cancelled
 
     def _take_waiting(self) -> tuple[list[Request], list[tuple[Ticket, Exception]]]:
         """Waiting tickets moved into free slots, and those whose own text, parameters or
         adapter could not be set up, with why: they fail alone. A ticket whose adapter is still
         being read keeps its place while those behind it go ahead."""
         taken, refused, held = [], [], []
-        while self._waiting and len(self._active) < self.slots:
+        while self._waiting and self._free:
             ticket = self._waiting.popleft()
             if ticket.cancelled:
                 continue
@@ -205,17 +239,24 @@ class Scheduler:
                 held.append(ticket)
                 continue
             try:
+                session = isinstance(ticket, Session)
                 # A session's chunks are its sentences, a list that grows as they arrive.
-                chunks = ticket.texts if isinstance(ticket, Session) else split_text(ticket.job.text,
-                                                                                    ticket.job.chunk_length)
-                request = Request(ticket, chunks, self._generator(ticket.job.params.seed), adapter_slot=adapter_slot)
+                chunks = ticket.texts if session else split_text(ticket.job.text, ticket.job.chunk_length)
+                generator = self._generator(ticket.job.params.seed)
             except Exception as exc:
                 self._release_adapter(adapter_slot)
                 refused.append((ticket, exc))
                 continue
+            request = Request(ticket, chunks, generator, adapter_slot=adapter_slot)
             request.slot = heapq.heappop(self._free)
-            request.last_turn = self.clock()
-            self._active.append(request)
+            seed = generator.initial_seed() if hasattr(generator, "initial_seed") else 0
+            request.generation = self.table.admit(request.slot, stream=ticket.job.stream, session=session,
+                                                  chunks=len(chunks), seed=seed, adapter=adapter_slot, lane=-1,
+                                                  now=self.clock())
+            self.requests[request.slot] = request
+            ticket.request = request
+            if session and ticket.closed:
+                self._closed.add(request.slot)
             taken.append(request)
         self._waiting.extendleft(reversed(held))
         return taken, refused
@@ -238,35 +279,31 @@ class Scheduler:
 
     def next_chunk(self, request: Request) -> None:
         request.chunk += 1
+        self.table.chunk[request.slot] = request.chunk
 
     def chunk_started(self, request: Request, length: int, max_new: int) -> None:
         """The request's chunk is prefilled from a prompt of `length` tokens, its first frame
         sampled with it, and it may have `max_new` frames."""
-        request.length, request.max_new, request.computed = length, max_new, 1
-        request.finished_chunk, request.codes = False, []
-        request.frames += 1
-        request.last_turn = self.clock()
+        t, slot = self.table, request.slot
+        t.length[slot], t.max_new[slot], t.computed[slot] = length, max_new, 1
+        t.finished_chunk[slot] = False
+        t.frames[slot] += 1
+        t.last_turn[slot] = self.clock()
 
-    def wanting(self) -> list[Request]:
-        """The requests that want another frame."""
-        return [r for r in self._active if not r.finished_chunk and r.computed < r.max_new and not r.ticket.cancelled]
-
-    def decoding(self) -> list[Request]:
-        """The requests that decode a frame at this step, most urgent first: those that want
-        one, less the streams whose listeners have more than `horizon_s` of audio ahead (unless
+    def decoding(self) -> np.ndarray:
+        """The slots that decode a frame at this step, most urgent first: those that want one,
+        less the streams whose listeners have more than `horizon_s` of audio ahead (unless
         requests wait for a slot), at most `step_rows` of them."""
-        now = self.clock()
+        slots = self.table.wanting()
+        if not slots.size:
+            return slots
+        slack = self.slack(slots, self.clock())
         crowded = bool(self._waiting) and not self._free  # finishing sooner frees a slot for them
-        turns = []
-        for r in self.wanting():
-            slack = self.slack(r, now)
-            if slack > self.horizon_s > 0 and not crowded:
-                continue  # its listener has enough to play: it yields this step
-            turns.append((slack, r.slot, r))
-        turns.sort(key=lambda t: t[:2])
-        if self.step_rows > 0:
-            turns = turns[: self.step_rows]
-        return [r for _, _, r in turns]
+        if self.horizon_s > 0 and not crowded:
+            keep = slack <= self.horizon_s  # the others' listeners have enough to play: they yield
+            slots, slack = slots[keep], slack[keep]
+        slots = slots[np.lexsort((slots, slack))]
+        return slots[: self.step_rows] if self.step_rows > 0 else slots
 
     def next_turn_in(self) -> float:
         """Seconds until there is work: 0 when a ticket can take a slot, a chunk can start, a
@@ -274,82 +311,91 @@ class Scheduler:
         wants one again (inf: nothing to do until something arrives)."""
         if self._free and any(self._admissible(t) for t in self._waiting):
             return 0.0
-        if any(r.ticket.cancelled or (r.finished_chunk and r.chunk + 1 < len(r.chunks)) for r in self._active):
+        if self._cancelled or self.table.starting().size or self.ended_sessions():
             return 0.0
-        if self.ended_sessions():
+        if self.decoding().size:
             return 0.0
-        if self.decoding():
-            return 0.0
+        slots = self.table.wanting()
+        if not slots.size:
+            return math.inf
+        return max(float(np.min(self.slack(slots, self.clock()))) - self.horizon_s, 0.0)
+
+    def slack(self, slots: np.ndarray, now: float) -> np.ndarray:
+        """How long each slot's request can go without a frame, in seconds. A stream: until its
+        listener has played the audio of its finished codec pieces, less the steps that
+        finishing its next piece takes at the recent pace (-inf before its first audio). A
+        session: -inf (a voice agent's turn: each sentence as soon as it can be). A whole
+        request: `horizon_s` less how long it has waited since its last frame (it waits behind
+        streams with more slack than that)."""
+        t = self.table
+        frames = t.frames[slots]
+        audible, next_piece = self.pieces_around(frames)
+        with np.errstate(invalid="ignore"):
+            stream = t.playing[slots] + audible / self.frame_rate - now - (next_piece - frames) * self.step_s
+        silent = np.isnan(stream) | (frames < self.first_frames) | t.session[slots]
+        stream = np.where(silent, -np.inf, stream)
+        return np.where(t.stream[slots], stream, self.horizon_s - (now - t.last_turn[slots]))
+
+    def pieces_around(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each count of frames of a stream: the frames in its finished codec pieces, and
+        where its next piece ends (pieces of `first_frames`, doubling up to `largest_piece`)."""
+        frames = np.asarray(frames)
+        b, ramp = self._boundaries, self._ramp_end
+        i = np.clip(np.searchsorted(b, frames, side="right") - 1, 0, len(b) - 2)
+        steady = ramp + (np.maximum(frames - ramp, 0) // self.largest_piece) * self.largest_piece
+        on_ramp = frames < ramp
+        return np.where(on_ramp, b[i], steady), np.where(on_ramp, b[i + 1], steady + self.largest_piece)
+
+    def advance(self, slots: np.ndarray) -> None:
+        """A step has queued one more frame for each of these slots."""
         now = self.clock()
-        waits = [self.slack(r, now) - self.horizon_s for r in self.wanting()]
-        return max(min(waits), 0.0) if waits else math.inf
-
-    def slack(self, request: Request, now: float) -> float:
-        """How long the request can go without a frame, in seconds. A stream: until its listener
-        has played the audio of its finished codec pieces, less the steps that finishing its
-        next piece takes at the recent pace (-inf before its first audio). A whole request:
-        `horizon_s` less how long it has waited since its last frame (it waits behind streams
-        with more slack than that)."""
-        if not request.ticket.job.stream:
-            return self.horizon_s - (now - request.last_turn)
-        if isinstance(request.ticket, Session):
-            return -math.inf  # a voice agent's turn: each sentence as soon as it can be
-        if request.playing is None or request.frames < self.first_frames:
-            return -math.inf
-        audible, next_piece = self._pieces_around(request.frames)
-        runs_out = request.playing + audible / self.frame_rate
-        return runs_out - now - (next_piece - request.frames) * self.step_s
-
-    def _pieces_around(self, frames: int) -> tuple[int, int]:
-        """The frames in a stream's finished codec pieces, and where its next piece ends."""
-        done, piece = 0, self.first_frames
-        while done + piece <= frames:
-            done += piece
-            piece = min(2 * piece, self.largest_piece)
-        return done, done + piece
-
-    def advance(self, requests: list[Request]) -> None:
-        """A step has queued one more frame for each of these."""
-        now = self.clock()
-        if requests:
+        if slots.size:
             if self._last_step is not None:  # idle gaps count as at most 0.1 s: a step takes less
                 self.step_s += 0.1 * (min(now - self._last_step, 0.1) - self.step_s)
             self._last_step = now
-        for r in requests:
-            r.computed += 1
-            r.frames += 1
-            r.last_turn = now
+        t = self.table
+        t.computed[slots] += 1
+        t.frames[slots] += 1
+        t.last_turn[slots] = now
 
-    def check(self, queued: Queued) -> Checked:
-        """The stop checks for a frame queued earlier: <|im_end|> (unless lengths are forced: then
-        its frame's codes are spoken like any other's) or the chunk's last frame ends the chunk,
-        the last chunk's end completes the request."""
-        request = queued.request
-        if request.chunk != queued.chunk or request.finished_chunk or request.slot < 0:
-            return Checked()  # the frame queued after its chunk's last one
-        if request.ticket.cancelled:
-            return Checked(cancelled=True)
-        frame = queued.frames.row(queued.row)
-        session = isinstance(request.ticket, Session)
-        if int(frame[0]) == self.im_end and not self.forced_lengths:
-            request.owed_draws = min(queued.index + 2, request.max_new) - request.computed
-            return Checked(complete=self._finish_chunk(request), sentence_end=session)
-        if "first_frame" not in request.ticket.timings:
-            request.ticket.timings["first_frame"] = time.perf_counter() - request.ticket.submitted
-        if request.playing is None:
-            request.playing = self.clock()
-        codes = frame[1:].copy()
-        request.codes.append(codes)
-        last = queued.index + 1 >= request.max_new
-        complete = self._finish_chunk(request) if last else False
-        return Checked(codes=codes, complete=complete, sentence_end=last and session)
+    def check(self, rows: StepRows, frames: np.ndarray) -> Checked:
+        """The stop checks for rows of frames queued earlier, all at once: <|im_end|> (unless
+        lengths are forced: then its frame's codes are spoken like any other's) or the chunk's
+        last frame ends the chunk, the last chunk's end completes the request. Rows queued past
+        their chunk's end, or for a request that left its slot, are dropped."""
+        t, slots = self.table, rows.slots
+        live = (t.active[slots] & (t.generation[slots] == rows.generation) & (t.chunk[slots] == rows.chunk)
+                & ~t.finished_chunk[slots] & ~t.cancelled[slots])
+        end = live & (frames[:, 0] == self.im_end) if not self.forced_lengths else np.zeros_like(live)
+        deliver = live & ~end
+        last = deliver & (rows.index + 1 >= t.max_new[slots])
+        spoken, at = slots[deliver], rows.index[deliver]
+        codes = frames[deliver, 1:]
+        t.codes[spoken, :, at] = codes
+        first = spoken[np.isnan(t.playing[spoken])]
+        if first.size:  # first audio on its way: the listener starts playing
+            now = self.clock()
+            t.playing[first] = now
+            for slot in first:
+                timings = self.requests[slot].ticket.timings
+                timings.setdefault("first_frame", time.perf_counter() - self.requests[slot].ticket.submitted)
+        ended = []
+        for i in np.flatnonzero(end | last):
+            request, index = self.requests[slots[i]], int(rows.index[i])
+            if end[i]:
+                request.owed_draws = min(index + 2, int(t.max_new[request.slot])) - int(t.computed[request.slot])
+            complete = self._finish_chunk(request, index if end[i] else index + 1)
+            ended.append(Ended(request, complete, bool(t.session[request.slot])))
+        return Checked(t.lane[spoken], codes, ended)
 
-    def _finish_chunk(self, request: Request) -> bool:
-        """End the request's chunk (its codes become the next prompt's context); True when it was the last."""
-        request.finished_chunk = True
-        text = request.chunks[request.chunk]
-        request.previous = [(text, np.stack(request.codes, axis=1))] if request.codes else []
-        request.spoken.extend(request.codes)
+    def _finish_chunk(self, request: Request, frames: int) -> bool:
+        """End the request's chunk after `frames` frames (its codes become the next prompt's
+        context); True when it was the last."""
+        self.table.finished_chunk[request.slot] = True
+        codes = self.table.codes[request.slot, :, :frames].astype(np.int64)
+        request.previous = [(request.chunks[request.chunk], codes)] if frames else []
+        if frames:
+            request.spoken.append(codes)
         return self._all_spoken(request)
 
     @staticmethod
@@ -360,15 +406,33 @@ class Scheduler:
 
     def ended_sessions(self) -> list[Request]:
         """Sessions closed while waiting for their next sentence, with nothing left to speak."""
-        return [r for r in self._active if isinstance(r.ticket, Session) and r.finished_chunk
-                and not r.ticket.cancelled and self._all_spoken(r)]
-
-    def cancelled(self) -> list[Request]:
-        return [r for r in self._active if r.ticket.cancelled]
+        t, ended = self.table, []
+        for slot in list(self._closed):
+            request = self.requests[slot]
+            if request is None:
+                self._closed.discard(slot)
+            elif t.finished_chunk[slot] and not t.cancelled[slot] and self._all_spoken(request):
+                ended.append(request)
+        return ended
 
     def retire(self, request: Request) -> None:
         """Free the request's slot (it must hold one)."""
-        self._active.remove(request)
-        heapq.heappush(self._free, request.slot)
+        slot = request.slot
+        self.requests[slot] = None
+        self.table.free(slot)
+        self._closed.discard(slot)
+        heapq.heappush(self._free, slot)
         self._release_adapter(request.adapter_slot)
-        request.slot, request.finished_chunk, request.adapter_slot = -1, True, 0
+        request.slot, request.adapter_slot = -1, 0
+
+
+def _piece_boundaries(first: int, largest: int) -> tuple[np.ndarray, int]:
+    """Where a stream's codec pieces end while they still grow (0, first, first + 2 first, ...),
+    and the frames before its first piece of the largest size (after it, every piece is that)."""
+    bounds, piece = [0, first], min(2 * first, largest)
+    while piece < largest:
+        bounds.append(bounds[-1] + piece)
+        piece = min(2 * piece, largest)
+    ramp = bounds[-1]
+    bounds.append(ramp + largest)  # so that a count on the ramp always has its next boundary
+    return np.array(bounds, np.int64), ramp
