@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("not timed (not found):", ", ".join(missing), flush=True)
     for mode in a.modes.split(","):
         engine = load(a.checkpoint, mode, device, a.max_seq_len)
-        batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0, horizon_s=0)  # decode as fast as it can
+        # Decode as fast as it can, every request to its full length (random weights' <|im_end|> ends none).
+        batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0, horizon_s=0, forced_lengths=True)
         t0 = time.perf_counter()
         batcher.compile()
         batcher.capture_remaining()

@@ -431,7 +431,7 @@ def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled
 
 def test_a_lane_ring_grows_when_a_stream_s_codec_falls_behind(solo):
     """Frames pile up in a lane beyond its ring (the codec far behind the decode loop): the ring
-    grows, and every frame comes out as it went in."""
+    grows, and every frame comes out as it went in; lanes grow with the streams opened."""
     worker = CodecWorker(solo, first_piece=4, largest_piece=64)
     hand = HandDriven(worker)
     rng = np.random.default_rng(3)
@@ -446,6 +446,9 @@ def test_a_lane_ring_grows_when_a_stream_s_codec_falls_behind(solo):
     np.testing.assert_array_equal(state.read(np.array([lane]), 700)[0], given.T)
     for other, codes in others.items():  # the others' frames kept their places
         np.testing.assert_array_equal(state.read(np.array([hand.lane[other]]), 5)[0], codes.T)
+    for i in range(200):  # lanes grow with the streams open, not with each one opened
+        hand.open(f"many{i}")
+    assert 203 <= len(state.active) <= 2 * 203
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -187,6 +187,7 @@ class CodecWorker:
         if kind == "open":
             if lane >= len(self._audio):
                 self._audio.extend([None] * (lane + 1 - len(self._audio)))
+            if lane >= len(s.active):
                 s.grow_lanes(lane + 1)
             self._audio[lane] = _Audio(payload)
             s.open(lane, payload.job.stream)
