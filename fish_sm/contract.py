@@ -91,6 +91,15 @@ class TTSRequest:
     adapter: str | None = None  # a LoRA fine-tune's name (a packaged voice may imply one)
 
 
+def check_text(text: str, chunk_length: int) -> None:
+    """What the engine refuses to speak (an `InputError`): no text, or a chunk length that is not a
+    positive integer. Here, without torch, so a server's front end refuses it before any engine work."""
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("text must be a non-empty string")
+    if isinstance(chunk_length, bool) or not isinstance(chunk_length, int) or chunk_length < 1:
+        raise InputError(f"chunk_length must be a positive integer, got {chunk_length!r}")
+
+
 def request_body(text: str, *, voice: str | None = None, reference_audio: str | None = None,
                  reference_text: str | None = None, fmt: str | None = None, stream: bool = False,
                  adapter: str | None = None, **sampling) -> dict:

@@ -17,7 +17,7 @@ os.environ.setdefault("FISH_SM_STREAM_HORIZON_S", "0")
 os.environ.setdefault("FISH_SM_MAX_BATCH", "64")
 
 # Fixtures that start a server on loopback (a `fish-sm serve`, the model server, moto).
-SERVER_FIXTURES = {"server", "one_slot", "silent_server", "tiny_url", "moto_url", "runtime_url"}
+SERVER_FIXTURES = {"server", "one_slot", "silent_server", "tiny_url", "moto_url", "runtime_url", "cores_server"}
 
 
 def pytest_collection_modifyitems(items):

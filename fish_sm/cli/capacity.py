@@ -18,13 +18,17 @@ DEFAULT_STREAMS = "8,16,32,64,128,256,512,1024"
 @click.option("--local", type=click.Path(exists=True, path_type=Path), metavar="MODEL",
               help="Start `fish-sm serve MODEL` on a free port with this environment (set "
                    "FISH_SM_BENCHMARK_LENGTHS=true for random weights), measure it, stop it.")
-@click.option("--streams", default=DEFAULT_STREAMS, show_default=True,
-              help="Offered concurrent real-time streams, comma-separated; ramped in ascending order.")
+@click.option("--streams", metavar="N,...",
+              help="Open loop: offered concurrent real-time streams, comma-separated; ramped in ascending order "
+                   f"[default, without --listeners: {DEFAULT_STREAMS}].")
+@click.option("--listeners", metavar="N,...",
+              help="Closed loop instead: N listeners per level, each asking again as soon as its answer has "
+                   "played; comma-separated, ramped in ascending order.")
 @click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds of arrivals per level (its answers are then awaited).")
+              help="Seconds of arrivals (closed loop: of asking) per level; its answers are then awaited.")
 @click.option("--arrivals", type=click.Choice(["poisson", "fixed"]), default="poisson", show_default=True,
               help="Open-loop arrivals at streams / mean audio seconds a second: Poisson or evenly spaced.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the arrivals and the mix.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the arrivals (or the listeners' first requests) and the mix.")
 @click.option("--slo-first-audio-ms", type=float, default=500.0, show_default=True,
               help="A level passes when its streams' p99 time to first audio is at most this ...")
 @click.option("--slo-underrun", type=click.FloatRange(0, 1), default=0.001, show_default=True,
@@ -61,16 +65,17 @@ DEFAULT_STREAMS = "8,16,32,64,128,256,512,1024"
 @output_format_option
 @aws_options
 @friendly_errors
-def capacity(name, url, local, streams, duration, arrivals, seed, slo_first_audio_ms, slo_underrun, max_error_rate,
-             voice, voice_share, reference, reference_text, reference_share, whole_share, chars_per_second,
-             forced_lengths, gpus, instance_type, price, keep_going, warmup, out_dir, timeout, startup_timeout,
-             output_format, region, profile, endpoint_url):
+def capacity(name, url, local, streams, listeners, duration, arrivals, seed, slo_first_audio_ms, slo_underrun,
+             max_error_rate, voice, voice_share, reference, reference_text, reference_share, whole_share,
+             chars_per_second, forced_lengths, gpus, instance_type, price, keep_going, warmup, out_dir, timeout,
+             startup_timeout, output_format, region, profile, endpoint_url):
     """Concurrent real-time streams that endpoint NAME, --url or --local serves within an SLO.
 
-    Requests arrive open-loop, a mix of texts, voices and whole answers; each stream is played
-    at real time, its first audio and underruns recorded. The offered streams ramp up; the
-    largest level up to which every level meets the SLO is the capacity, reported per GPU, in
-    audio-hours per instance-hour and in dollars per audio-hour. Writes bench.json and
+    Requests arrive open-loop (--streams), a mix of texts, voices and whole answers, or come from
+    a closed-loop population of --listeners, each asking again when its answer has played; each
+    stream is played at real time, its first audio and underruns recorded. The levels ramp up;
+    the largest level up to which every level meets the SLO is the capacity, reported per GPU,
+    in audio-hours per instance-hour and in dollars per audio-hour. Writes bench.json and
     bench.html; exits 1 when no level meets the SLO or errors pass --max-error-rate."""
     import contextlib
 
@@ -79,12 +84,18 @@ def capacity(name, url, local, streams, duration, arrivals, seed, slo_first_audi
     from fish_sm.clients.report import capacity_lines, format_capacity_table
     from fish_sm.clients.request import reference_audio
     from fish_sm.clients.url import UrlTarget, server_info
-    from fish_sm.errors import FishSMError
+    from fish_sm.errors import FishSMError, InputError
 
     one_target(("NAME", name), ("--url", url), ("--local", local))
+    if streams is not None and listeners is not None:
+        raise InputError("give either --streams (an open loop of offered streams) or --listeners (a closed loop "
+                         "of listeners), not both")
     if (reference is None) != (reference_text is None):
         raise click.UsageError("--reference and --reference-text go together")
-    levels = cap.parse_streams(streams)
+    population = "closed loop" if listeners is not None else "open loop"
+    unit = cap.unit_of(population)
+    levels = (cap.parse_streams(listeners, "--listeners") if listeners is not None
+              else cap.parse_streams(streams if streams is not None else DEFAULT_STREAMS))
     mix = cap.Mix(chars_per_second=chars_per_second, voice=voice,
                   voice_share=voice_share if voice_share is not None else cap.VOICE_SHARE if voice else 0.0,
                   reference=(reference_audio(str(reference)), reference_text) if reference else None,
@@ -117,7 +128,7 @@ def capacity(name, url, local, streams, duration, arrivals, seed, slo_first_audi
                    "not forced: max_new_tokens caps each request; random weights stop at random frames, so the "
                    "load may be lighter than intended (see audio_vs_intended)")
         report = cap.run_capacity(
-            target, levels=levels, duration_s=duration, mix=mix, arrivals=arrivals, seed=seed,
+            target, levels=levels, duration_s=duration, mix=mix, population=population, arrivals=arrivals, seed=seed,
             slo_first_audio_ms=slo_first_audio_ms, slo_underrun=slo_underrun, max_error_rate=max_error_rate,
             warmup=warmup, keep_going=keep_going, gpus=gpus or 1, instances=instances, price=price_doc,
             lengths=lengths, device=device, server=server, notes=notes, log=say)
@@ -129,11 +140,11 @@ def capacity(name, url, local, streams, duration, arrivals, seed, slo_first_audi
     broken = [lv for lv in report["levels"] if lv["broken"]]
     if broken:
         raise over_error_rate(broken, len(report["levels"]), max_error_rate,
-                              lambda lv: f"{lv['streams']} streams "
+                              lambda lv: f"{cap.level_of(lv)} {unit} "
                                          f"{sum(lv['errors'].values())}/{lv['requests']} failed")
     if not report["passed"]:
         first = report["levels"][0]
-        raise FishSMError(f"no level meets the SLO: {first['streams']} streams: {'; '.join(first['slo_failures'])}")
+        raise FishSMError(f"no level meets the SLO: {cap.level_of(first)} {unit}: {'; '.join(first['slo_failures'])}")
 
 
 def _instance_gpus(aws, instance_type: str, notes: list[str]) -> int | None:

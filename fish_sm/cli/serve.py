@@ -38,7 +38,7 @@ def serve(model: Path, port: int, host: str, workers: int | None, response_timeo
     if server != "mms" and workers is not None:
         raise click.UsageError("--workers is for --server mms; the batching server runs one engine per GPU")
     with _stopped_by_sigterm(), _model_dir(model, settings.manifest_sha256) as model_dir:
-        from fish_sm.serving.runtime import ServerConfig
+        from fish_sm.serving.config import ServerConfig
 
         cfg = ServerConfig(model_dir, port=port, host=host, workers=workers, response_timeout=response_timeout)
         if server == "mms":

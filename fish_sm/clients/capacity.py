@@ -12,6 +12,17 @@ is the largest level up to which every level passes (a pass above a failure is n
 capacity), as streams per GPU, audio-hours per instance-hour (a listener plays one audio-second
 a second) and, with an hourly price, dollars per audio-hour.
 
+A closed-loop population (`Population`, --listeners) is the other way to load a level: that many
+listeners, each asking (a request from the same mix), playing the answer at real time from its
+first audio, and asking again as soon as it has played (`played_at`: first audio + audio +
+underruns; a whole answer once it has arrived and played; a failure after the audio it asked
+for would have played). First requests are spread over the first second (seeded); nobody asks
+after the duration, and the level ends when the answers in flight are in. The same samples,
+verdict and ramp; the capacity is then the largest passing level's listeners. Against a URL
+the listeners run as tasks on one asyncio event loop with aiohttp's client (threads, one a
+listener, fall behind well before 1,024 listeners of 44.1 kHz WAV); an endpoint's go through
+boto3 on threads.
+
 The mix (documented defaults): the bench's built-in texts, one picked at random per request;
 with --voice, 25% of requests name that packaged voice; with --reference, 10% carry that
 recording inline as a zero-shot reference; 10% ask for the whole WAV instead of a stream (they
@@ -25,6 +36,10 @@ benchmark-only FISH_SM_BENCHMARK_LENGTHS=true, under which a request always runs
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
+import json
 import threading
 import time
 from collections import Counter
@@ -35,8 +50,9 @@ import numpy as np
 
 import fish_sm
 from fish_sm.clients.bench import BUILTIN_TEXTS, REJECTED, level_passed, thin_percentiles
-from fish_sm.clients.response import ServiceError, check_audio
-from fish_sm.clients.stream import pcm_offset
+from fish_sm.clients.response import Response, ServiceError, check_audio, error_text
+from fish_sm.clients.stream import close_wav, pcm_offset
+from fish_sm.clients.url import UrlTarget, base_url
 from fish_sm.contract import CHUNK_LENGTH_RANGE, request_body
 from fish_sm.errors import InputError
 
@@ -50,16 +66,19 @@ WHOLE_SHARE = 0.10  # of requests that ask for the whole WAV rather than a strea
 ARRIVALS = ("poisson", "fixed")
 ONE_CHUNK = CHUNK_LENGTH_RANGE[1]  # so max_new_tokens, which is per chunk, bounds the whole text
 ACCEPT = "audio/wav"
+SPREAD_S = 1.0  # closed loop: listeners' first requests, spread uniformly over this
+POPULATIONS = ("open loop", "closed loop")
 LATE_WARNING_MS = 100.0  # a client sending this much after a request's arrival is itself the bottleneck
 
 
-def parse_streams(spec: str) -> list[int]:
+def parse_streams(spec: str, option: str = "--streams") -> list[int]:
+    """A ramp's levels (--streams or --listeners): distinct, ascending, each at least 1."""
     try:
         levels = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
-        raise InputError(f"--streams must be numbers separated by commas, got {spec!r}") from None
+        raise InputError(f"{option} must be numbers separated by commas, got {spec!r}") from None
     if not levels or any(n < 1 for n in levels):
-        raise InputError(f"--streams levels must be at least 1, got {spec!r}")
+        raise InputError(f"{option} levels must be at least 1, got {spec!r}")
     return sorted(set(levels))
 
 
@@ -119,6 +138,7 @@ class Planned:
     body: dict
     voice: str  # "packaged", "reference" or "none"
     intended_s: float
+    listener: int | None = None  # closed loop: the listener who asks
 
 
 def arrival_times(rate: float, duration_s: float, arrivals: str, rng: np.random.Generator) -> list[float]:
@@ -142,20 +162,22 @@ def plan_level(mix: Mix, streams: int, duration_s: float, arrivals: str = "poiss
         raise InputError(f"--duration must be positive, got {duration_s:g}")
     rng = np.random.default_rng([seed, streams])
     rate = streams / mix.mean_seconds
-    planned = []
-    for i, at in enumerate(arrival_times(rate, duration_s, arrivals, rng)):
-        text = mix.texts[int(rng.integers(len(mix.texts)))]
-        u, whole = float(rng.random()), float(rng.random()) < mix.whole_share
-        voice = "packaged" if u < mix.voice_share else (
-            "reference" if u < mix.voice_share + mix.reference_share else "none")
-        body = request_body(
-            text, voice=mix.voice if voice == "packaged" else None,
-            reference_audio=mix.reference[0] if voice == "reference" else None,
-            reference_text=mix.reference[1] if voice == "reference" else None, fmt="wav", stream=not whole,
-            max_new_tokens=intended_frames(text, mix.chars_per_second), chunk_length=ONE_CHUNK,
-            seed=int(rng.integers(2**31)))
-        planned.append(Planned(i, at, body, voice, intended_seconds(text, mix.chars_per_second)))
-    return planned
+    return [draw_request(mix, rng, i, at) for i, at in enumerate(arrival_times(rate, duration_s, arrivals, rng))]
+
+
+def draw_request(mix: Mix, rng: np.random.Generator, index: int, at_s: float, listener: int | None = None) -> Planned:
+    """One request of the mix: its text, voice, mode (stream or whole) and sampling seed from rng."""
+    text = mix.texts[int(rng.integers(len(mix.texts)))]
+    u, whole = float(rng.random()), float(rng.random()) < mix.whole_share
+    voice = "packaged" if u < mix.voice_share else (
+        "reference" if u < mix.voice_share + mix.reference_share else "none")
+    body = request_body(
+        text, voice=mix.voice if voice == "packaged" else None,
+        reference_audio=mix.reference[0] if voice == "reference" else None,
+        reference_text=mix.reference[1] if voice == "reference" else None, fmt="wav", stream=not whole,
+        max_new_tokens=intended_frames(text, mix.chars_per_second), chunk_length=ONE_CHUNK,
+        seed=int(rng.integers(2**31)))
+    return Planned(index, at_s, body, voice, intended_seconds(text, mix.chars_per_second), listener)
 
 
 def playback_underrun(pieces: list[tuple[float, float]]) -> tuple[float, int, float]:
@@ -198,9 +220,9 @@ def audio_pieces(arrivals: list[tuple[float, int]], pcm_start: int, bytes_per_se
 class StreamSample:
     """One request of a level, as its listener saw it (times from its arrival)."""
 
-    streams: int  # the level's offered concurrency
+    streams: int | None  # the open-loop level's offered concurrency (None in a closed loop)
     index: int
-    at_s: float  # its arrival, seconds after the level began
+    at_s: float  # its arrival (closed loop: when its listener asked), seconds after the level began
     mode: str  # "stream" or "whole"
     voice: str
     text_chars: int
@@ -214,27 +236,34 @@ class StreamSample:
     underrun_s: float | None = None  # streams: seconds the listener waited after playback began
     underruns: int | None = None  # streams: times it waited
     error: str | None = None
+    listeners: int | None = None  # the closed-loop level's listeners (None in an open loop)
+    listener: int | None = None  # closed loop: which of them asked
 
 
-def _send(target, planned: Planned, streams: int, t0: float) -> StreamSample:
-    """Send one request at its arrival and judge it; any failure is a sample of its kind."""
-    start = time.perf_counter()
-    late = max(0.0, start - (t0 + planned.at_s))
-    stream = bool(planned.body.get("stream"))
-    fields = dict(streams=streams, index=planned.index, at_s=planned.at_s, mode="stream" if stream else "whole",
-                  voice=planned.voice, text_chars=len(planned.body["text"]), intended_s=planned.intended_s)
+def _fields(planned: Planned, streams: int | None, listeners: int | None) -> dict:
+    return dict(streams=streams, index=planned.index, at_s=planned.at_s,
+                mode="stream" if planned.body.get("stream") else "whole", voice=planned.voice,
+                text_chars=len(planned.body["text"]), intended_s=planned.intended_s, listeners=listeners,
+                listener=planned.listener)
+
+
+def _failed(fields: dict, exc: Exception, latency_s: float, late_s: float) -> StreamSample:
+    """A request that brought no audio: a ServiceError by its kind, anything else by its type
+    (it still counts, rather than ending the run)."""
+    kind = exc.kind if isinstance(exc, ServiceError) else type(exc).__name__
+    return StreamSample(**fields, ok=False, kind=kind, latency_s=latency_s, late_s=late_s, error=str(exc))
+
+
+def _judge(fields: dict, response, late: float, start: float, source: str) -> StreamSample:
+    """A request's answer as its listener heard it: its audio, its first audio and the underruns
+    of its playback (streams), or the failure that it is not the audio asked for."""
     try:
-        response = target.send(planned.body, ACCEPT)
-        seconds = check_audio(response, "wav", str(target))
+        seconds = check_audio(response, "wav", source)
     except ServiceError as exc:
-        return StreamSample(**fields, ok=False, kind=exc.kind, latency_s=late + time.perf_counter() - start,
-                            late_s=late, error=str(exc))
-    except Exception as exc:  # anything else still counts, by its type, rather than ending the run
-        return StreamSample(**fields, ok=False, kind=type(exc).__name__,
-                            latency_s=late + time.perf_counter() - start, late_s=late, error=str(exc))
+        return _failed(fields, exc, late + time.perf_counter() - start, late)
     sample = StreamSample(**fields, ok=True, kind="ok", latency_s=late + response.latency_s, late_s=late,
                           audio_seconds=seconds)
-    if not stream:
+    if sample.mode == "whole":
         sample.first_audio_s = sample.latency_s  # the listener hears nothing before the whole file
         return sample
     sample.first_audio_s = late + response.first_audio_s if response.first_audio_s is not None else None
@@ -243,6 +272,18 @@ def _send(target, planned: Planned, streams: int, t0: float) -> StreamSample:
         pieces = audio_pieces(response.arrivals, pcm_start, (len(response.body) - pcm_start) / seconds)
         sample.underrun_s, sample.underruns, _ = playback_underrun(pieces)
     return sample
+
+
+def _send(target, planned: Planned, streams: int | None, t0: float, listeners: int | None = None) -> StreamSample:
+    """Send one request at its arrival and judge it; any failure is a sample of its kind."""
+    start = time.perf_counter()
+    late = max(0.0, start - (t0 + planned.at_s))
+    fields = _fields(planned, streams, listeners)
+    try:
+        response = target.send(planned.body, ACCEPT)
+    except Exception as exc:
+        return _failed(fields, exc, late + time.perf_counter() - start, late)
+    return _judge(fields, response, late, start, str(target))
 
 
 def run_level(target, planned: list[Planned], streams: int) -> tuple[list[StreamSample], float]:
@@ -267,15 +308,235 @@ def run_level(target, planned: list[Planned], streams: int) -> tuple[list[Stream
     return [r for r in results if r is not None], time.perf_counter() - t0
 
 
+# -- the closed loop: a population of listeners -------------------------------------------------
+
+def played_at(sample: StreamSample) -> float:
+    """When the listener of `sample` has heard its answer (seconds after the level began), and so
+    asks again: a stream at its first audio + its audio + the underruns its playback waited out;
+    a whole answer when it has arrived and then played (its latency + its audio). A request that
+    brought no audio leaves its listener waiting as long as the audio it asked for would have
+    played, from the failure on (so a full server is not flooded with retries)."""
+    if sample.ok and sample.mode == "stream" and sample.first_audio_s is not None:
+        return sample.at_s + sample.first_audio_s + (sample.audio_seconds or 0.0) + (sample.underrun_s or 0.0)
+    if sample.ok:
+        return sample.at_s + sample.latency_s + (sample.audio_seconds or 0.0)
+    return sample.at_s + sample.latency_s + sample.intended_s
+
+
+class Population:
+    """A closed-loop level: `listeners` listeners, each asking (a request drawn from the mix), playing
+    the answer at real time from its first audio, and asking again as soon as it has played
+    (`played_at`). First requests are spread uniformly over the first `spread_s` seconds; nobody
+    asks at or after `duration_s`. Seeded: a listener's k-th request is the same whatever the
+    timing (each listener draws from a generator of its own). Safe to share across threads."""
+
+    def __init__(self, mix: Mix, listeners: int, duration_s: float, seed: int = 0, spread_s: float = SPREAD_S):
+        if listeners < 1:
+            raise InputError(f"--listeners levels must be at least 1, got {listeners}")
+        if duration_s <= 0:
+            raise InputError(f"--duration must be positive, got {duration_s:g}")
+        self.mix, self.listeners, self.duration_s = mix, listeners, duration_s
+        rng = np.random.default_rng([seed, listeners, 1])
+        self.starts = [float(t) for t in rng.uniform(0.0, min(spread_s, duration_s), listeners)]
+        self._rngs = [np.random.default_rng([seed, listeners, 2, i]) for i in range(listeners)]
+        self._next_index = 0
+        self._lock = threading.Lock()
+
+    def _ask(self, listener: int, at_s: float) -> Planned:
+        with self._lock:
+            index, self._next_index = self._next_index, self._next_index + 1
+        return draw_request(self.mix, self._rngs[listener], index, at_s, listener)
+
+    def first(self) -> list[Planned]:
+        """Every listener's first request."""
+        return [self._ask(i, at) for i, at in enumerate(self.starts)]
+
+    def after(self, sample: StreamSample) -> Planned | None:
+        """The next request of sample's listener, when its answer has played; None once that is
+        past the duration."""
+        at = played_at(sample)
+        return self._ask(sample.listener, at) if at < self.duration_s else None
+
+
+def _before_the_clock(population: Population) -> list[Planned]:
+    """What a level does before its clock starts: draw every listener's first request (1,024
+    bodies take a while) and import soundfile, which judging the first answer would otherwise
+    do while hundreds of streams wait."""
+    import soundfile  # noqa: F401
+
+    return population.first()
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """No garbage collection while a level runs: a full collection scans every live object (the
+    arrival times of 1,024 streams in flight: 50 ms and more) while the streams wait, and a
+    level's cyclic garbage is a few hundred objects, collected when it ends."""
+    gc.collect()
+    gc.freeze()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.unfreeze()
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def run_population(target, population: Population) -> tuple[list[StreamSample], float]:
+    """A closed-loop level on threads, one a listener, each sending through target.send (any
+    target: an endpoint's InvokeEndpointWithResponseStream too); the level ends when every
+    listener's last answer is in."""
+    samples: list[StreamSample] = []
+    first = _before_the_clock(population)
+
+    def listener(p: Planned | None) -> None:
+        while p is not None:
+            _sleep_until(t0 + p.at_s)
+            sample = _send(target, p, None, t0, population.listeners)
+            samples.append(sample)  # list.append is atomic
+            p = population.after(sample)
+
+    threads = [threading.Thread(target=listener, args=(p,), name=f"listener-{population.listeners}-{p.listener}",
+                                daemon=True) for p in first]
+    with _collector_paused():
+        t0 = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - t0
+    return sorted(samples, key=lambda s: s.index), wall
+
+
+def aiohttp_missing() -> str | None:
+    """Why the asyncio client cannot run here (aiohttp is not installed), else None."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return ("aiohttp is not installed, so the listeners ran on threads, one each, which share one core and fall "
+                "behind beyond a few hundred listeners of 44.1 kHz WAV: pip install 'fish-sm[bench]'")
+    return None
+
+
+def run_population_async(url: str, population: Population, timeout_s: float = 900) -> tuple[list[StreamSample], float]:
+    """A closed-loop level over HTTP (a --url or --local server) on one asyncio event loop with
+    aiohttp's client: a task a listener, one connection each, kept alive between its requests;
+    the level ends when every listener's last answer is in."""
+    return asyncio.run(_population_async(base_url(url), population, timeout_s))
+
+
+async def _population_async(url: str, population: Population, timeout_s: float):
+    import aiohttp
+
+    _more_open_files(population.listeners + 64)
+    samples: list[StreamSample] = []
+    first = _before_the_clock(population)
+
+    async def listener(session, p: Planned | None) -> None:
+        while p is not None:
+            delay = t0 + p.at_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            start = time.perf_counter()
+            late = max(0.0, start - (t0 + p.at_s))
+            fields = _fields(p, None, population.listeners)
+            try:
+                response = await _post(session, url, p.body, timeout_s)
+            except Exception as exc:
+                sample = _failed(fields, exc, late + time.perf_counter() - start, late)
+            else:
+                sample = _judge(fields, response, late, start, url)
+            samples.append(sample)
+            p = population.after(sample)
+
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
+        with _collector_paused():
+            t0 = time.perf_counter()
+            await asyncio.gather(*(listener(session, p) for p in first))
+            wall = time.perf_counter() - t0
+    return sorted(samples, key=lambda s: s.index), wall
+
+
+async def _post(session, url: str, body: dict, timeout_s: float) -> Response:
+    """POST /invocations as UrlTarget.send does (the same errors, the same timings), on aiohttp."""
+    import aiohttp
+
+    t0 = time.perf_counter()
+    headers = {"Content-Type": "application/json", "Accept": ACCEPT}
+    try:
+        async with session.post(url + "/invocations", data=json.dumps(body).encode(), headers=headers) as r:
+            if r.status >= 400:
+                message = f"{url} answered {r.status}: {error_text(await r.read())}"
+                retry_after = r.headers.get("Retry-After")
+                if r.status == 503 and retry_after:  # full: a refusal to count, not a failure
+                    raise ServiceError(message, REJECTED, r.status, retry_after)
+                raise ServiceError(message, f"HTTP {r.status}", r.status)
+            content_type = r.headers.get("Content-Type", ACCEPT)
+            rate = r.headers.get("X-Sample-Rate")
+            rate = int(rate) if rate and rate.isdigit() else body.get("sample_rate")
+            if not body.get("stream"):
+                payload = await r.read()
+                return Response(payload, content_type, time.perf_counter() - t0, sample_rate=rate)
+            data, arrivals, start, first = bytearray(), [], None, None
+            async for piece in r.content.iter_any():  # whatever has come, as it comes
+                now = time.perf_counter() - t0
+                arrivals.append((now, len(piece)))
+                data += piece
+                if first is None:
+                    start = pcm_offset(data, content_type) if start is None else start
+                    if start is not None and len(data) > start:
+                        first = now
+            payload = bytes(data) if content_type.startswith("audio/pcm") else close_wav(bytes(data))
+            return Response(payload, content_type, time.perf_counter() - t0, first, rate, arrivals)
+    except asyncio.TimeoutError:
+        raise ServiceError(f"{url}: no answer within {timeout_s:g} s", "timeout") from None
+    except aiohttp.ClientConnectorError as exc:
+        raise ServiceError(f"cannot reach {url}: {exc.os_error or exc}", "connection") from None
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        raise ServiceError(f"{url}: connection broken ({type(exc).__name__}: {exc})", "connection") from None
+
+
+def _more_open_files(needed: int) -> None:
+    """Raise this process's soft limit on open files towards `needed` (a socket a listener), as
+    far as its hard limit allows."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+
+
 def _pct(values, q) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
 def summarize_level(samples: list[StreamSample], wall_s: float, streams: int, rate: float, duration_s: float, *,
                     slo_first_audio_ms: float = SLO_FIRST_AUDIO_MS, slo_underrun: float = SLO_UNDERRUN,
-                    max_error_rate: float = 0.0) -> dict:
+                    max_error_rate: float = 0.0, population: str = "open loop") -> dict:
     """A level's figures over its streams (first audio, underruns), its whole requests (latency)
-    and all of them (audio, errors); whether it meets the SLO, and if not, why."""
+    and all of them (audio, errors); whether it meets the SLO, and if not, why.
+
+    `streams` is the level: offered streams (open loop, the level keyed "streams") or listeners
+    (closed loop, keyed "listeners"); `rate` its arrivals a second (closed loop: the requests its
+    listeners made over the duration)."""
+    if population not in POPULATIONS:
+        raise InputError(f"population must be one of {', '.join(POPULATIONS)}, got {population!r}")
     ok = [s for s in samples if s.ok]
     streamed = [s for s in ok if s.mode == "stream"]
     whole = np.array([s.latency_s for s in ok if s.mode == "whole"])
@@ -290,7 +551,7 @@ def summarize_level(samples: list[StreamSample], wall_s: float, streams: int, ra
         if not s.ok and s.kind not in examples:
             examples[s.kind] = s.error
     level = {
-        "streams": streams, "arrivals_per_s": rate, "duration_s": duration_s,
+        unit_of(population): streams, "arrivals_per_s": rate, "duration_s": duration_s,
         "requests": len(samples), "ok": len(ok), "streamed": len(streamed), "whole": int(len(whole)),
         "rejected": sum(1 for s in samples if not s.ok and s.kind == REJECTED),
         "error_rate": (len(samples) - len(ok)) / len(samples) if samples else 0.0,
@@ -307,8 +568,9 @@ def summarize_level(samples: list[StreamSample], wall_s: float, streams: int, ra
         "warnings": thin_percentiles({"first audio p99": len(first)}),
     }
     if level["client_late_ms_max"] > LATE_WARNING_MS:  # its own timing is then in doubt too
-        level["warnings"].append(f"the client sent requests up to {level['client_late_ms_max']:.0f} ms after their "
-                                 "arrival (short of CPU?)")
+        due = "their listeners asked" if population == "closed loop" else "their arrival"
+        level["warnings"].append(f"the client sent requests up to {level['client_late_ms_max']:.0f} ms after "
+                                 f"{due} (short of CPU?)")
     reasons = []
     if not streamed:
         reasons.append("no stream brought audio")
@@ -333,43 +595,71 @@ def _num(v, spec) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def unit_of(population: str) -> str:
+    """What a population's levels count: "streams" offered (open loop) or "listeners" (closed loop)."""
+    return "listeners" if population == "closed loop" else "streams"
+
+
+def level_of(level: dict) -> int:
+    """A level's size: its listeners (closed loop) or its offered streams (open loop)."""
+    return level["listeners"] if "listeners" in level else level["streams"]
+
+
 def capacity_level(levels: list[dict]) -> dict | None:
     """The largest level up to which every level (in ascending order) passed; None if the first failed."""
     best = None
-    for level in sorted(levels, key=lambda lv: lv["streams"]):
+    for level in sorted(levels, key=level_of):
         if not level["passed"]:
             break
         best = level
     return best
 
 
-def capacity_figures(streams: int | None, *, gpus: int, instances: int = 1, usd_per_hour: float | None = None) -> dict:
+def capacity_figures(streams: int | None, *, gpus: int, instances: int = 1, usd_per_hour: float | None = None,
+                     unit: str = "streams") -> dict:
     """What `streams` concurrent real-time listeners on `instances` instances of `gpus` GPUs
     each mean: streams per GPU, audio-hours per instance-hour (each listener plays one
-    audio-second a second), and with an instance's hourly price, dollars per audio-hour."""
+    audio-second a second), and with an instance's hourly price, dollars per audio-hour.
+    unit "listeners" (a closed loop's figure) keys them "listeners" and "listeners_per_gpu"; a
+    listener also waits for each answer's first audio, so its audio-hours are a little less."""
     if gpus < 1 or instances < 1:
         raise InputError("--gpus and the instance count must be at least 1")
-    out = {"streams": streams, "gpus": gpus, "instances": instances, "streams_per_gpu": None,
+    out = {unit: streams, "gpus": gpus, "instances": instances, f"{unit}_per_gpu": None,
            "audio_hours_per_instance_hour": None, "usd_per_hour": usd_per_hour, "usd_per_audio_hour": None}
     if streams:
         per_instance = streams / instances
-        out.update(streams_per_gpu=per_instance / gpus, audio_hours_per_instance_hour=per_instance)
+        out.update({f"{unit}_per_gpu": per_instance / gpus, "audio_hours_per_instance_hour": per_instance})
         if usd_per_hour is not None:
             out["usd_per_audio_hour"] = usd_per_hour / per_instance
     return out
 
 
-def run_capacity(target, *, levels: list[int], duration_s: float, mix: Mix, arrivals: str = "poisson", seed: int = 0,
+def run_capacity(target, *, levels: list[int], duration_s: float, mix: Mix, population: str = "open loop",
+                 arrivals: str = "poisson", seed: int = 0,
                  slo_first_audio_ms: float = SLO_FIRST_AUDIO_MS, slo_underrun: float = SLO_UNDERRUN,
                  max_error_rate: float = 0.0, warmup: int = 2, keep_going: bool = False, gpus: int = 1,
                  instances: int = 1, price: dict | None = None, lengths: str = "not forced",
                  device: str = "unknown", server: dict | None = None, notes: list[str] | None = None,
-                 log=lambda s: None) -> dict:
+                 client: str | None = None, log=lambda s: None) -> dict:
     """Warm up, then ramp the levels in ascending order (stopping after the first that fails the
     SLO unless keep_going); returns the report as plain data (fish_sm.clients.report writes it).
 
+    population "open loop": levels are offered streams, arriving as `arrivals` says (plan_level,
+    run_level); "closed loop": levels are listeners, each asking again when its answer has played
+    (Population), on an asyncio client (aiohttp) for a URL target, else on threads; client
+    "asyncio" or "threads" picks one (asyncio needs a URL target and aiohttp).
     price: {"usd_per_hour", "source"} or None; lengths: how request lengths were held (for the
     report); notes: lines for the report (a price that could not be found, ...)."""
+    if population not in POPULATIONS:
+        raise InputError(f"population must be one of {', '.join(POPULATIONS)}, got {population!r}")
+    closed, unit = population == "closed loop", unit_of(population)
+    notes = list(notes or [])
+    if closed:
+        client = client or ("asyncio" if isinstance(target, UrlTarget) and not aiohttp_missing() else "threads")
+        if client == "asyncio" and not isinstance(target, UrlTarget):
+            raise InputError("the asyncio client speaks HTTP: it needs --url or --local")
+        if client == "threads" and isinstance(target, UrlTarget) and aiohttp_missing():
+            notes.append(aiohttp_missing())
     if slo_first_audio_ms <= 0 or not 0 <= slo_underrun <= 1:
         raise InputError("--slo-first-audio-ms must be positive and --slo-underrun a fraction from 0 to 1")
     if not 0 <= max_error_rate <= 1:
@@ -383,35 +673,47 @@ def run_capacity(target, *, levels: list[int], duration_s: float, mix: Mix, arri
         s = _send(target, warm[i % len(warm)], 0, time.perf_counter())
         log(f"warm-up {i + 1}/{warmup}: {'ok' if s.ok else s.error} in {s.latency_s:.2f} s")
     out_levels, samples = [], []
-    for streams in levels:
-        planned = plan_level(mix, streams, duration_s, arrivals, seed)
-        rate = streams / mix.mean_seconds
-        level_samples, wall = run_level(target, planned, streams)
-        level = summarize_level(level_samples, wall, streams, rate, duration_s, slo_first_audio_ms=slo_first_audio_ms,
-                                slo_underrun=slo_underrun, max_error_rate=max_error_rate)
+    for n in levels:
+        if closed:
+            listeners = Population(mix, n, duration_s, seed)
+            if client == "asyncio":
+                level_samples, wall = run_population_async(target.url, listeners, target.timeout_s)
+            else:
+                level_samples, wall = run_population(target, listeners)
+            rate = len(level_samples) / duration_s
+            what = f"{n} listeners ({len(level_samples)} requests, {rate:.2f}/s)"
+        else:
+            planned = plan_level(mix, n, duration_s, arrivals, seed)
+            rate = n / mix.mean_seconds
+            level_samples, wall = run_level(target, planned, n)
+            what = f"{n} streams ({rate:.2f} arrivals/s, {len(planned)} requests)"
+        level = summarize_level(level_samples, wall, n, rate, duration_s, slo_first_audio_ms=slo_first_audio_ms,
+                                slo_underrun=slo_underrun, max_error_rate=max_error_rate, population=population)
         out_levels.append(level)
         samples.extend(level_samples)
         first, share = level["first_audio_ms"]["p99"], level["underrun"]["share"]
-        log(f"{streams} streams ({rate:.2f} arrivals/s, {len(planned)} requests): {level['ok']}/{level['requests']} "
+        log(f"{what}: {level['ok']}/{level['requests']} "
             f"ok, first audio p99 {_num(first, '.0f')} ms, underrun {_num(share, '.3%')}, "
             f"{level['audio_seconds_per_wall_second']:.1f} audio s/s: "
             + ("pass" if level["passed"] else "FAIL (" + "; ".join(level["slo_failures"]) + ")"))
-        if not level["passed"] and not keep_going and streams != levels[-1]:
-            log(f"stopping the ramp: {streams} streams fail the SLO (--keep-going runs every level)")
+        if not level["passed"] and not keep_going and n != levels[-1]:
+            log(f"stopping the ramp: {n} {unit} fail the SLO (--keep-going runs every level)")
             break
     best = capacity_level(out_levels)
-    figures = capacity_figures(best["streams"] if best else None, gpus=gpus, instances=instances,
-                               usd_per_hour=(price or {}).get("usd_per_hour"))
+    figures = capacity_figures(level_of(best) if best else None, gpus=gpus, instances=instances,
+                               usd_per_hour=(price or {}).get("usd_per_hour"), unit=unit)
     figures["price_source"] = (price or {}).get("source")
+    load = ({"listeners": list(levels), "duration_s": duration_s, "spread_s": SPREAD_S, "client": client}
+            if closed else {"streams": list(levels), "duration_s": duration_s, "arrivals": arrivals})
     return {
-        "kind": "capacity", "target": str(target), "device": device, "server": server,
+        "kind": "capacity", "population": population, "target": str(target), "device": device, "server": server,
         "fish_sm_version": fish_sm.__version__, "started": started,
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "settings": {"streams": list(levels), "duration_s": duration_s, "arrivals": arrivals, "seed": seed,
+        "settings": {"population": population, **load, "seed": seed,
                      "slo_first_audio_ms": slo_first_audio_ms, "slo_underrun": slo_underrun,
                      "max_error_rate": max_error_rate, "warmup": warmup, "keep_going": keep_going,
                      "format": "wav", "lengths": lengths},
-        "mix": mix.describe(), "lengths": lengths, "capacity": figures, "notes": list(notes or []),
+        "mix": mix.describe(), "lengths": lengths, "capacity": figures, "notes": notes,
         "passed": best is not None, "levels": out_levels, "samples": [asdict(s) for s in samples],
     }
 

@@ -217,10 +217,39 @@ def plots(report: dict) -> dict[str, str]:
     return out
 
 
-# -- capacity runs (fish_sm.clients.capacity): offered streams against the SLO -------------------
+# -- capacity runs (fish_sm.clients.capacity): offered streams or listeners against the SLO ------
 
 CAPACITY_COLUMNS = ["streams", "arrivals/s", "ok/n", "1st p50 ms", "1st p99 ms", "underrun", "stalled", "audio s/s",
                     "rejected", "errors", "result"]
+# A closed loop's levels are listeners, and its requests a second are what they asked, not offered.
+CLOSED_LOOP_COLUMNS = ["listeners", "requests/s", *CAPACITY_COLUMNS[2:]]
+
+
+def _closed(report: dict) -> bool:
+    return report.get("population") == "closed loop"
+
+
+def _unit(report: dict) -> str:
+    return "listeners" if _closed(report) else "streams"
+
+
+def _size(level: dict) -> int:
+    return level["listeners"] if "listeners" in level else level["streams"]
+
+
+def capacity_columns(report: dict) -> list[str]:
+    return CLOSED_LOOP_COLUMNS if _closed(report) else CAPACITY_COLUMNS
+
+
+def population_line(report: dict) -> str:
+    """What loaded the levels: an open loop of offered streams or a closed loop of listeners."""
+    settings = report.get("settings", {})
+    if _closed(report):
+        return ("closed loop: each listener asks again as soon as its answer has played "
+                f"({settings.get('client', 'threads')} client; first requests spread over "
+                f"{settings.get('spread_s', 1.0):g} s; {settings.get('duration_s', 0):g} s of asking a level)")
+    return (f"open loop: {settings.get('arrivals', 'poisson')} arrivals at streams / mean audio seconds a second "
+            f"({settings.get('duration_s', 0):g} s of arrivals a level)")
 
 
 def capacity_rows(report: dict) -> list[list[str]]:
@@ -229,7 +258,7 @@ def capacity_rows(report: dict) -> list[list[str]]:
         first, under, thin = lv["first_audio_ms"], lv["underrun"], _thin(lv)
         p99 = _fmt(first["p99"], ".0f") + (THIN if "first audio p99" in thin and first["p99"] is not None else "")
         errors = ", ".join(f"{k}: {n}" for k, n in lv["errors"].items()) or "-"
-        rows.append([str(lv["streams"]), _fmt(lv["arrivals_per_s"]), f"{lv['ok']}/{lv['requests']}",
+        rows.append([str(_size(lv)), _fmt(lv["arrivals_per_s"]), f"{lv['ok']}/{lv['requests']}",
                      _fmt(first["p50"], ".0f"), p99, _fmt(under["share"], ".3%"), f"{under['streams']}/{lv['streamed']}",
                      _fmt(lv["audio_seconds_per_wall_second"], ".1f"), str(lv["rejected"]), errors,
                      "pass" if lv["passed"] else "FAIL"])
@@ -237,13 +266,15 @@ def capacity_rows(report: dict) -> list[list[str]]:
 
 
 def format_capacity_table(report: dict) -> str:
-    """The capacity curve as a fixed-width text table: one row per offered level."""
-    rows = [CAPACITY_COLUMNS] + capacity_rows(report)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(CAPACITY_COLUMNS))]
+    """The capacity curve as a fixed-width text table: one row per level, under a line saying
+    what loaded them (open or closed loop)."""
+    columns = capacity_columns(report)
+    rows = [columns] + capacity_rows(report)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.rjust(w) if i < len(widths) - 1 else cell for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join([population_line(report), *lines])
 
 
 def capacity_summary(report: dict) -> str:
@@ -251,10 +282,13 @@ def capacity_summary(report: dict) -> str:
     cap, settings = report["capacity"], report["settings"]
     slo = (f"p99 first audio <= {settings['slo_first_audio_ms']:g} ms, underrun <= {settings['slo_underrun']:.2%} "
            f"of playback")
-    if not cap["streams"]:
+    unit = _unit(report)
+    if not cap.get(unit):
         return f"capacity: no level meets the SLO ({slo})"
-    line = (f"capacity: {cap['streams']} concurrent real-time streams meet the SLO ({slo}): "
-            f"{cap['streams_per_gpu']:.1f} per GPU ({cap['gpus']} GPU(s) x {cap['instances']} instance(s)), "
+    what = ("listeners (closed loop) keep real-time playback within the SLO" if unit == "listeners" else
+            "concurrent real-time streams meet the SLO")
+    line = (f"capacity: {cap[unit]} {what} ({slo}): "
+            f"{cap[f'{unit}_per_gpu']:.1f} per GPU ({cap['gpus']} GPU(s) x {cap['instances']} instance(s)), "
             f"{cap['audio_hours_per_instance_hour']:.1f} audio-hours per instance-hour")
     if cap.get("usd_per_audio_hour") is not None:
         line += (f", ${cap['usd_per_audio_hour']:.4f} per audio-hour at ${cap['usd_per_hour']:.4g}/h"
@@ -265,12 +299,13 @@ def capacity_summary(report: dict) -> str:
 def capacity_lines(report: dict) -> list[str]:
     """Why each failed level failed, the summary line, how lengths were held, notes, and the
     percentiles resting on too few samples."""
-    lines = [f"{lv['streams']} streams: FAIL: {'; '.join(lv['slo_failures'])}" for lv in report["levels"]
+    unit = _unit(report)
+    lines = [f"{_size(lv)} {unit}: FAIL: {'; '.join(lv['slo_failures'])}" for lv in report["levels"]
              if not lv["passed"]]
     lines.append(capacity_summary(report))
     lines.append(f"lengths: {report['lengths']}")
     lines += report.get("notes", [])
-    warned = [f"{lv['streams']} streams: {', '.join(lv['warnings'])}" for lv in report["levels"] if lv["warnings"]]
+    warned = [f"{_size(lv)} {unit}: {', '.join(lv['warnings'])}" for lv in report["levels"] if lv["warnings"]]
     if warned:
         needs = ", ".join(f"{q} needs {n}" for q, n in MIN_SAMPLES.items())
         lines.append(f"{THIN} too few samples for the percentile ({needs}), or a client short of time: "
@@ -279,16 +314,18 @@ def capacity_lines(report: dict) -> list[str]:
 
 
 def capacity_plots(report: dict) -> dict[str, str]:
-    """title -> PNG data URI: first audio p50/p99 and underrun share against offered streams
-    (with the SLO's limits), and audio seconds per second; failed levels marked."""
+    """title -> PNG data URI: first audio p50/p99 and underrun share against offered streams or
+    listeners (with the SLO's limits), and audio seconds per second; failed levels marked."""
     levels = report["levels"]
     if not any(lv["ok"] for lv in levels):
         return {}
     plt = _pyplot()
 
     settings = report["settings"]
-    streams = [lv["streams"] for lv in levels]
-    failed = [lv["streams"] for lv in levels if not lv["passed"]]
+    streams = [_size(lv) for lv in levels]
+    failed = [_size(lv) for lv in levels if not lv["passed"]]
+    against, xlabel = (("listeners", "listeners (closed loop)") if _closed(report)
+                       else ("offered streams", "offered concurrent streams"))
     log_x = len(streams) > 1 and max(streams) / min(streams) >= 8
 
     def axes(ylabel: str, title: str):
@@ -296,7 +333,7 @@ def capacity_plots(report: dict) -> dict[str, str]:
         if log_x:
             ax.set_xscale("log", base=2)
         ax.set_xticks(streams, [str(n) if n not in failed else f"{n}\n(failed)" for n in streams])
-        ax.set_xlabel("offered concurrent streams")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         return fig, ax
@@ -305,28 +342,28 @@ def capacity_plots(report: dict) -> dict[str, str]:
         return [np.nan if get(lv) is None else get(lv) for lv in levels]
 
     out = {}
-    fig, ax = axes("time to first audio (ms)", "First audio against offered streams")
+    fig, ax = axes("time to first audio (ms)", f"First audio against {against}")
     ax.plot(streams, values(lambda lv: lv["first_audio_ms"]["p99"]), "o-", label="p99")
     ax.plot(streams, values(lambda lv: lv["first_audio_ms"]["p50"]), "s--", label="p50")
     ax.axhline(settings["slo_first_audio_ms"], color="tab:red", linestyle=":", label="SLO")
     ax.set_ylim(bottom=0)
     ax.legend()
-    out["First audio against offered streams"] = _png(fig)
+    out[f"First audio against {against}"] = _png(fig)
     plt.close(fig)
 
-    fig, ax = axes("underrun (% of playback time)", "Underrun against offered streams")
+    fig, ax = axes("underrun (% of playback time)", f"Underrun against {against}")
     ax.plot(streams, values(lambda lv: None if lv["underrun"]["share"] is None else 100 * lv["underrun"]["share"]),
             "o-", label="underrun")
     ax.axhline(100 * settings["slo_underrun"], color="tab:red", linestyle=":", label="SLO")
     ax.set_ylim(bottom=0)
     ax.legend()
-    out["Underrun against offered streams"] = _png(fig)
+    out[f"Underrun against {against}"] = _png(fig)
     plt.close(fig)
 
-    fig, ax = axes("audio seconds per wall second", "Audio produced against offered streams")
+    fig, ax = axes("audio seconds per wall second", f"Audio produced against {against}")
     ax.plot(streams, [lv["audio_seconds_per_wall_second"] for lv in levels], "o-")
     ax.set_ylim(bottom=0)
-    out["Audio produced against offered streams"] = _png(fig)
+    out[f"Audio produced against {against}"] = _png(fig)
     plt.close(fig)
     return out
 
@@ -335,17 +372,22 @@ def _capacity_html(report: dict) -> tuple[str, str, str]:
     """(verdict, the levels' section, plots and errors) of a capacity run's page."""
     esc = html.escape
     images = capacity_plots(report)
-    head = "".join(f"<th>{esc(c)}</th>" for c in CAPACITY_COLUMNS)
+    head = "".join(f"<th>{esc(c)}</th>" for c in capacity_columns(report))
     body = "".join(f'<tr class="{"pass" if lv["passed"] else "fail"}">' + "".join(f"<td>{esc(c)}</td>" for c in row)
                    + "</tr>" for lv, row in zip(report["levels"], capacity_rows(report)))
     lines = "".join(f"<li>{esc(line)}</li>" for line in capacity_lines(report))
-    section = (f"<h2>Capacity curve</h2><ul>{lines}</ul>\n<table><tr>{head}</tr>{body}</table>\n"
-               "<p>1st p50/p99 ms: time from a stream's arrival to its first audio byte. underrun: time listeners "
-               "waited after playback began, as a share of playback time; stalled: streams that waited at all.</p>")
+    closed = _closed(report)
+    section = (f"<h2>Capacity curve ({'closed' if closed else 'open'} loop)</h2>"
+               f"<p id=\"population\">{esc(population_line(report))}</p><ul>{lines}</ul>\n"
+               f"<table><tr>{head}</tr>{body}</table>\n"
+               f"<p>1st p50/p99 ms: time from a stream's {'asking' if closed else 'arrival'} to its first audio byte. "
+               "underrun: time listeners waited after playback began, as a share of playback time; stalled: streams "
+               "that waited at all."
+               + (" requests/s: what the listeners asked over the level's duration." if closed else "") + "</p>")
     figs = "".join(f'<h2>{esc(t)}</h2>\n<img alt="{esc(t)}" src="{uri}">\n' for t, uri in images.items())
     if not images:
         figs = "<h2>Plots</h2>\n<p class=\"fail\">No request brought audio: nothing to plot.</p>\n"
-    errors = "".join(f"<li>{lv['streams']} streams, {esc(kind)}: {esc(str(msg))}</li>"
+    errors = "".join(f"<li>{_size(lv)} {_unit(report)}, {esc(kind)}: {esc(str(msg))}</li>"
                      for lv in report["levels"] for kind, msg in lv["error_examples"].items())
     figs += f"<h2>Errors and rejections</h2><ul>{errors or '<li>none</li>'}</ul>"
     return capacity_summary(report), section, figs

@@ -1,8 +1,9 @@
 """Reading reference audio: any container libsndfile reads, any rate, mono or stereo.
 
 Resampling is a windowed-sinc filter (Hann window, six zero crossings, cut-off at 99% of
-the lower Nyquist frequency), written here in torch so that no audio library beyond
-soundfile is needed. Between rates of a small common ratio (44.1 kHz and 48 kHz: 147/160)
+the lower Nyquist frequency), written here in numpy so that no audio library beyond
+soundfile is needed, and so that the batching server's front end, which resamples responses,
+never loads torch. Between rates of a small common ratio (44.1 kHz and 48 kHz: 147/160)
 it runs as a polyphase filter bank, one filter per output phase; between rates whose ratio
 reduces to large numbers (44,101 Hz to 44,100 Hz) that bank would take gigabytes, so each
 output sample is computed from its own taps instead, at a cost bounded by the audio's length.
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-import torch
 
 from fish_sm.errors import InputError
 
@@ -58,23 +58,23 @@ FILTER_BANK_LIMIT = 1 << 20  # elements (4 MB) of the largest polyphase bank bui
 CHUNK_ELEMENTS = 1 << 22  # taps computed at once by the per-sample path
 
 
-def _filter(t: torch.Tensor, scale: float) -> torch.Tensor:
+def _filter(t: np.ndarray, scale: float) -> np.ndarray:
     """The windowed sinc at `t` (in zero crossings), times the gain `scale`."""
-    t = t.clamp(-ZERO_CROSSINGS, ZERO_CROSSINGS)
-    window = torch.cos(t * math.pi / ZERO_CROSSINGS / 2) ** 2
-    t = t * math.pi
-    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, torch.ones_like(t), t))
-    return sinc * window * scale
+    t = np.clip(t, -ZERO_CROSSINGS, ZERO_CROSSINGS)
+    window = np.cos(t * math.pi / ZERO_CROSSINGS / 2) ** 2
+    return np.sinc(t) * window * scale  # np.sinc(t) = sin(pi t) / (pi t), 1 at 0
 
 
 @lru_cache(maxsize=16)
-def _kernels(orig: int, new: int) -> tuple[torch.Tensor, int]:
-    """`new` filters, one per output phase, each over the input samples around it."""
+def _kernels(orig: int, new: int) -> tuple[np.ndarray, int]:
+    """`new` filters, one per output phase, each over the input samples around it: [taps, new]."""
     cutoff = min(orig, new) * ROLLOFF  # in units of the reduced rates
     width = math.ceil(ZERO_CROSSINGS * orig / cutoff)
-    taps = torch.arange(-width, width + orig, dtype=torch.float64) / orig
-    t = (taps[None, :] - torch.arange(new, dtype=torch.float64)[:, None] / new) * cutoff
-    return _filter(t, cutoff / orig).float()[:, None, :], width
+    taps = np.arange(-width, width + orig, dtype=np.float64) / orig
+    t = (taps[None, :] - np.arange(new, dtype=np.float64)[:, None] / new) * cutoff
+    bank = np.ascontiguousarray(_filter(t, cutoff / orig).astype(np.float32).T)
+    bank.flags.writeable = False  # shared by every call through the cache
+    return bank, width
 
 
 def resample(samples: np.ndarray, orig_rate: int, new_rate: int) -> np.ndarray:
@@ -86,12 +86,13 @@ def resample(samples: np.ndarray, orig_rate: int, new_rate: int) -> np.ndarray:
     width = math.ceil(ZERO_CROSSINGS * orig / (min(orig, new) * ROLLOFF))
     if new * (2 * width + orig) > FILTER_BANK_LIMIT:
         return _resample_per_sample(samples, orig_rate, new_rate)
-    kernels, width = _kernels(orig, new)
-    x = torch.from_numpy(samples)[None, None]
-    x = torch.nn.functional.pad(x, (width, width + orig))
-    y = torch.nn.functional.conv1d(x, kernels, stride=orig)  # [1, new, blocks]
-    y = y.transpose(1, 2).reshape(-1)
-    return y[: math.ceil(new * len(samples) / orig)].numpy()
+    bank, width = _kernels(orig, new)
+    x = np.pad(np.asarray(samples, dtype=np.float32), (width, width + orig))
+    # Block b of `orig` input samples gives `new` outputs, each a dot product of the taps around
+    # it with one filter of the bank: one matrix product over windows copied out contiguously.
+    windows = np.lib.stride_tricks.sliding_window_view(x, bank.shape[0])[::orig]
+    y = np.ascontiguousarray(windows) @ bank  # [blocks, new]
+    return y.reshape(-1)[: math.ceil(new * len(samples) / orig)]
 
 
 def _resample_per_sample(samples: np.ndarray, orig_rate: int, new_rate: int) -> np.ndarray:
@@ -100,18 +101,18 @@ def _resample_per_sample(samples: np.ndarray, orig_rate: int, new_rate: int) -> 
     scale = min(1.0, new_rate / orig_rate) * ROLLOFF  # the cut-off, in cycles per input sample x 2
     reach = math.ceil(ZERO_CROSSINGS / scale)  # input samples either side of an output sample
     n_out = math.ceil(new_rate * len(samples) / orig_rate)
-    x = torch.nn.functional.pad(torch.from_numpy(samples), (reach, reach + 1))
-    offsets = torch.arange(-reach + 1, reach + 1)
-    out = torch.empty(n_out, dtype=torch.float32)
+    x = np.pad(np.asarray(samples, dtype=np.float32), (reach, reach + 1))
+    offsets = np.arange(-reach + 1, reach + 1)
+    out = np.empty(n_out, dtype=np.float32)
     step = max(1, CHUNK_ELEMENTS // len(offsets))
     for start in range(0, n_out, step):
-        position = torch.arange(start, min(n_out, start + step), dtype=torch.float64) * (orig_rate / new_rate)
-        first = position.floor()
-        fraction = (position - first).float()  # float64 only where indices are large
-        taps = (first.long()[:, None] + offsets).clamp_(-reach, len(samples) + reach) + reach
-        weights = _filter((offsets.float()[None, :] - fraction[:, None]) * scale, scale)
+        position = np.arange(start, min(n_out, start + step), dtype=np.float64) * (orig_rate / new_rate)
+        first = np.floor(position)
+        fraction = (position - first).astype(np.float32)  # float64 only where indices are large
+        taps = np.clip(first.astype(np.int64)[:, None] + offsets, -reach, len(samples) + reach) + reach
+        weights = _filter((offsets.astype(np.float32)[None, :] - fraction[:, None]) * scale, scale).astype(np.float32)
         out[start : start + len(position)] = (x[taps] * weights).sum(1)
-    return out.numpy()
+    return out
 
 
 def load_reference_audio(source: AudioInput, sample_rate: int) -> np.ndarray:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from fish_sm import kernels
-from fish_sm.contract import DEFAULT_CHUNK_LENGTH, SamplingParams
+from fish_sm.contract import DEFAULT_CHUNK_LENGTH, SamplingParams, check_text
 from fish_sm.engine.adapters import AdapterCache, AdapterSource
 from fish_sm.engine.audio import AudioInput, load_reference_audio
 from fish_sm.engine.generate import GraphedStep, HostCopy, decode_frame, generate_frames, to_device
@@ -309,13 +309,6 @@ def request_generator(device: torch.device, seed: int | None) -> torch.Generator
     else:
         generator.manual_seed(seed)
     return generator
-
-
-def check_text(text: str, chunk_length: int) -> None:
-    if not isinstance(text, str) or not text.strip():
-        raise InputError("text must be a non-empty string")
-    if isinstance(chunk_length, bool) or not isinstance(chunk_length, int) or chunk_length < 1:
-        raise InputError(f"chunk_length must be a positive integer, got {chunk_length!r}")
 
 
 def as_references(reference) -> list[Reference]:

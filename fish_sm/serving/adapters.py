@@ -13,7 +13,9 @@
 
 The engine reads an adapter through `load(name)` (on its loader thread) and keeps it in GPU
 memory; this module only knows where adapters are and reads them, never unpickling anything
-(`fish_sm.model.lora.read_packaged` reads our safetensors form only).
+(`fish_sm.model.lora.read_packaged` reads our safetensors form only). It imports no torch: the
+batching server's front end resolves names with it (`resolve`), and only an engine core, which
+has torch already, reads tensors (`load`, `rank`: `fish_sm.model.lora` is imported there).
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from fish_sm.contract import ADAPTER_NAME, TTSRequest
 from fish_sm.errors import AdapterError, CheckpointError
 from fish_sm.model.config import ModelConfig
-from fish_sm.model.lora import Adapter, read_metadata, read_packaged
 from fish_sm.serving.errors import Busy, HTTPError, bad_request
 from fish_sm.settings import Settings, check_adapter_source
+
+if TYPE_CHECKING:
+    from fish_sm.model.lora import Adapter
 
 logger = logging.getLogger("fish_sm.serving")
 
@@ -122,12 +126,8 @@ class AdapterRegistry:
                 raise CheckpointError(f"manifest.json: adapter {name}: {expected} is missing")
             packaged[name] = path
             rank = entry.get("rank")
-            if not isinstance(rank, int):
-                try:
-                    rank = int(read_metadata(path).get("rank", 0))
-                except (AdapterError, ValueError):
-                    rank = 0
-            ranks[name] = rank
+            if isinstance(rank, int):
+                ranks[name] = rank  # the others' are read from their files if `rank` is asked
         voice_adapters = {}
         voices = manifest.get("voices") or {}
         for voice, entry in (voices.items() if isinstance(voices, dict) else ()):
@@ -149,8 +149,19 @@ class AdapterRegistry:
         return bool(self.packaged or self.sources)
 
     def rank(self, setting: int = 0) -> int:
-        """The largest rank to serve: the setting, else the largest packaged adapter's, at least 8."""
-        return setting or max([MIN_RANK, *self.ranks.values()])
+        """The largest rank to serve: the setting, else the largest packaged adapter's, at least 8
+        (a rank the manifest does not give is read from the file's metadata)."""
+        if setting:
+            return setting
+        from fish_sm.model.lora import read_metadata
+
+        for name, path in self.packaged.items():
+            if name not in self.ranks:
+                try:
+                    self.ranks[name] = int(read_metadata(path).get("rank", 0))
+                except (AdapterError, ValueError):
+                    self.ranks[name] = 0
+        return max([MIN_RANK, *self.ranks.values()])
 
     def known(self, name: str) -> bool:
         """Whether `name` is an adapter here: packaged, or (as S3 said within the refresh interval)
@@ -200,6 +211,8 @@ class AdapterRegistry:
     def load(self, name: str) -> Adapter:
         """Read adapter `name`: the packaged file, or a verified download from its source.
         Every failure is an `AdapterError` whose message names the adapter, not a path."""
+        from fish_sm.model.lora import read_packaged
+
         if not _valid(name):
             raise AdapterError(f"adapter name {name[:80]!r} is not valid")
         path = self.packaged.get(name)
@@ -259,6 +272,8 @@ class AdapterRegistry:
             if digest.hexdigest() != expected:
                 raise AdapterError(f"adapter {name!r}: {where} does not match its sha256 metadata "
                                    f"(got {digest.hexdigest()[:12]}..., expected {expected[:12]}...)")
+            from fish_sm.model.lora import read_packaged
+
             try:
                 return read_packaged(path, name, self.config)
             except AdapterError as exc:
@@ -383,3 +398,23 @@ def _manifest(model_dir: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"manifest.json cannot be read ({exc})") from None
     return doc if isinstance(doc, dict) else {}
+
+
+def resolve_adapters(registry: AdapterRegistry | None, requests: list[TTSRequest],
+                     default_voice: str = "") -> list[TTSRequest]:
+    """The requests with the adapter each uses (named, or implied by its voice), every one known
+    to `registry` (None: a server without adapters): an unknown adapter is a 400 naming it,
+    before any synthesis. May ask S3 (run it off an event loop)."""
+    if registry is None:
+        for request in requests:
+            if request.adapter is not None:
+                raise bad_request(f"unknown adapter {request.adapter!r}; this server has no adapters")
+        return requests
+    return [registry.resolve(r, default_voice) for r in requests]
+
+
+def adapter_label(requests: list[TTSRequest]) -> str | None:
+    """The adapter a request's metrics line is counted under: the one its requests use (several
+    adapters in one JSON Lines body: none), None without."""
+    names = {r.adapter for r in requests if r.adapter is not None}
+    return names.pop() if len(names) == 1 else None

@@ -1,19 +1,32 @@
-"""The batching server: SageMaker's container contract on aiohttp, in front of one
-continuous-batching engine per GPU.
+"""The batching server: SageMaker's container contract on aiohttp, in front of one engine core
+process per GPU (or one on the CPU).
 
-`GET /ping` is 503 while the engines load, compile and warm up, 200 once they serve, and
-503 again if an engine thread dies. `POST /invocations` takes the same bodies, headers and
-settings as the handler (`request.parse_body`, `runtime.resolve_reference`,
-`runtime.encode_prediction`: one definition of a request) and answers whole, or — with
-`"stream": true` — as chunked audio while it is generated: a WAV header of open length
-then 16-bit PCM, or bare PCM for `Accept: audio/pcm`. That is what SageMaker's
-`InvokeEndpointWithResponseStream` relays. A full server answers 503 with `Retry-After`
-at once; a client that goes away frees its slot at the next step. The lines of a JSON Lines
-body go to the engine one at a time, each once the one before has a slot, so a long body
-never crowds other clients out of the queue. An engine whose thread failed fails the
-requests it held and turns `/ping` unhealthy for good: the platform replaces the instance.
-`GET /invocations-bidirectional-stream` is a WebSocket session for voice agents: text in as it
-is written, each sentence's audio out as it is decoded (`bidi.py`).
+Two kinds of process (the vLLM V1 shape). This one, the front end, imports no torch: HTTP,
+parsing and validation (`request.parse_body`, the same definition of a request as the handler's),
+voice names and adapters (`adapters.resolve_adapters`, S3 lookups included), zero-shot
+references' bytes (from the body or S3, size and length checked), audio encoding
+(`response.encode_prediction`), metrics, `/ping` and the bidirectional WebSocket (`bidi.py`).
+Each engine core (`core.py`, started and watched by `cores.py`) owns one device: the model,
+the continuous-batching engine, the codec, packaged voices and reference encoding; the two
+talk over zmq on private unix sockets (`ipc.py`). So the engine's threads never share a GIL
+with the HTTP server, nor the cores with each other.
+
+`GET /ping` is 503 while the cores load, compile and warm up (in parallel), 200 with each
+core's load once all serve, and 503 for good once a core has died or its engine failed: its
+requests fail with a 503 (a stream already answering is cut short), and the instance is
+unhealthy until the platform replaces it (cores are never restarted). `POST /invocations`
+answers whole or, with `"stream": true`, as chunked audio while it is generated: a WAV header
+of open length then 16-bit PCM, or bare PCM for `Accept: audio/pcm` (what SageMaker's
+`InvokeEndpointWithResponseStream` relays). Each request goes to the core with the fewest in
+flight; a full server answers 503 with `Retry-After` at once (its core refuses it); a client
+that goes away frees its slot at the next step. The lines of a JSON Lines body go to the core
+one at a time, each once the one before has a slot, so a long body never crowds other clients
+out of the queue. `GET /invocations-bidirectional-stream` is a WebSocket session for voice
+agents: text in as it is written, each sentence's audio out as it is decoded (`bidi.py`).
+
+SIGTERM: stop accepting, let the requests in flight finish (aiohttp's graceful shutdown), then
+tell each core to shut down and wait for it (killed if it does not). A core that cannot start
+makes the server exit 1 with its reason as the last line.
 """
 
 from __future__ import annotations
@@ -21,95 +34,46 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import shutil
 import signal
 import time
 from pathlib import Path
 
+import zmq
 from aiohttp import web
 
-from fish_sm.engine.batching import BatchEngine, EngineStopped, Job, Overloaded
-from fish_sm.engine.engine import freeze_start_up_objects
-from fish_sm.contract import SamplingParams
-from fish_sm.errors import AdapterError, FishSMError, InputError
+from fish_sm.cloudwatch_metrics import STATE_INTERVAL_S
+from fish_sm.contract import AUDIO_TYPES, TTSRequest, check_text
+from fish_sm.errors import FishSMError, InputError
 from fish_sm.serving import audio as audio_out
-from fish_sm.serving import bidi
-from fish_sm.serving.errors import Busy, HTTPError, NoAudio, bad_request, engine_error, start_up_failure
-from fish_sm.serving.runtime import (Prediction, ServerConfig, ServingModel, WARMUP_TEXT, adapter_label,
-                                     check_model_dir, encode_prediction, load_model, resolve_adapters,
-                                     resolve_reference)
+from fish_sm.serving import bidi, ipc
+from fish_sm.serving.adapters import AdapterRegistry, adapter_label, resolve_adapters
+from fish_sm.serving.config import ServerConfig, check_model_dir
+from fish_sm.serving.cores import CoreRequest, EngineCore, Launch, StartFailure, launch_process
+from fish_sm.serving.errors import Busy, HTTPError, NoAudio, bad_request, start_up_failure
 from fish_sm.serving.http import Limits, application, error_response, listening, read_body
 from fish_sm.serving.metrics import Metrics, RequestFigures
-from fish_sm.cloudwatch_metrics import STATE_INTERVAL_S
-from fish_sm.contract import AUDIO_TYPES, TTSRequest
+from fish_sm.serving.references import reference_audio
 from fish_sm.serving.request import JSONLINES_ALIASES, check_accept, media_type, parse_body, response_format
+from fish_sm.serving.response import Prediction, encode_prediction
 from fish_sm.settings import Settings
 
 logger = logging.getLogger("fish_sm.serving")
 
 
-class Worker:
-    """One GPU (or the CPU): the loaded model and its batching engine."""
-
-    def __init__(self, model: ServingModel, batcher: BatchEngine):
-        self.model, self.batcher = model, batcher
-
-    def alive(self) -> bool:
-        return self.batcher.alive()
-
-    def busy(self) -> int:
-        load = self.batcher.load()
-        return load["active"] + load["waiting"]
-
-
-def start_worker(model_dir: Path, device: str, settings: Settings) -> Worker:
-    """Load, quantize, capture the batched decode steps, warm up; then start the engine."""
-    model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device)
-    batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
-                          prefix_cache=settings.prefix_cache, codec_precision=settings.codec_precision,
-                          forced_lengths=settings.benchmark_lengths, horizon_s=settings.stream_horizon_s,
-                          step_rows=settings.step_rows)
-    if model.compiled:
-        phase("compile", batcher.compile)
-    batcher.start()
-    if settings.warmup:
-        phase("warmup", lambda: _warm_up(model, batcher))
-    if model.compiled:
-        phase("cache_save", cache.save)
-    logger.info("%s ready with %d slots in %.2f s (%s)", device, batcher.slots, sum(model.timings.values()),
-                ", ".join(f"{k} {v:.2f} s" for k, v in model.timings.items()))
-    return Worker(model, batcher)
-
-
-def _warm_up(model: ServingModel, batcher: BatchEngine) -> None:
-    """Requests along every path: whole and streamed, with and without a voice, several at once."""
-    voice = model.voices.get(model.settings.default_voice) or next(iter(model.voices.values()), None)
-    jobs = [Job(WARMUP_TEXT, references=(voice,) if voice and i % 2 else (), stream=i % 3 == 0,
-                params=SamplingParams(seed=i, max_new_tokens=16 * (i + 1)))
-            for i in range(max(2, model.settings.warmup))]
-    if model.adapters is not None and model.adapters.packaged:  # in a batch with rows of none
-        jobs.append(Job(WARMUP_TEXT, params=SamplingParams(seed=0, max_new_tokens=8),
-                        adapter=next(iter(model.adapters.packaged))))
-    for start in range(0, len(jobs), batcher.slots):
-        for ticket in [batcher.submit(job) for job in jobs[start : start + batcher.slots]]:
-            try:
-                ticket.result()
-            except AdapterError as exc:  # its requests will fail alone (422); the server serves the rest
-                logger.warning("warm-up with adapter %s failed: %s", ticket.job.adapter, exc)
-
-
-def devices() -> list[str]:
-    import torch
-
-    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
-
-
 class BatchingApp:
-    def __init__(self, model_dir: Path, settings: Settings):
-        self.model_dir, self.settings = model_dir, settings
-        self.workers: list[Worker] = []
+    def __init__(self, model_dir: Path, settings: Settings, launch: Launch = launch_process):
+        self.model_dir, self.settings, self._launch = model_dir, settings, launch
+        self.cores: list[EngineCore] = []
+        self.serving = False  # every core is ready
         self.failed: str | None = None
         self.stopping = asyncio.Event()
         self.metrics = Metrics("batching", enabled=settings.metrics == "emf")
+        self.voices: frozenset[str] = frozenset()  # the packaged voices' names
+        self.sample_rate = 0
+        self.adapters: AdapterRegistry | None = None
+        self._context: zmq.Context | None = None
+        self._directory: Path | None = None  # the private directory of the cores' sockets
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -118,39 +82,77 @@ class BatchingApp:
         app["state_metrics"] = asyncio.create_task(self._report_state())
 
     async def _load(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Start the first core, then (once it has said which devices there are) one for each
+        other device; all load at once, and /ping answers meanwhile."""
         try:
-            # Off the event loop, so /ping answers meanwhile; one device after another, because
-            # torch.compile is not safe to run from several threads at once (later devices reuse
-            # the kernels the first one compiled, from inductor's cache).
-            workers = []
-            for device in devices():
-                workers.append(await loop.run_in_executor(None, start_worker, self.model_dir, device, self.settings))
-            freeze_start_up_objects()
-            self.workers = workers
-            self.metrics.state([w.batcher.load() for w in workers])  # the first, as soon as it serves
+            self._context = zmq.Context()
+            self._directory = ipc.private_directory()
+            first = self._start_core(0, "auto")
+            hello = await first.hello
+            for index, device in enumerate(hello.devices[1:], 1):
+                self._start_core(index, device)
+            pending = {core.ready for core in self.cores}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    future.result()  # a core that could not start stops the server now
+            ready = self.cores[0]
+            self.voices, self.sample_rate = frozenset(ready.voices), ready.sample_rate
+            loop = asyncio.get_running_loop()
+            self.adapters = await loop.run_in_executor(None, self._adapter_registry, loop)
+            self.serving = True
+            self.metrics.state([core.load() for core in self.cores])  # the first, as soon as it serves
+        except StartFailure as exc:  # the core logged it (with its traceback, if a bug)
+            self.failed = exc.message
         except Exception as exc:
             self.failed, expected = start_up_failure(exc)
             if not expected:
                 logger.exception("start-up failed")  # a bug: its traceback belongs in the log
+        if self.failed:
             self.stopping.set()  # a server that cannot serve exits, so the platform sees it fail
 
+    def _start_core(self, index: int, device: str) -> EngineCore:
+        core = EngineCore(index, device, self._directory, self.model_dir, self._context, self._launch)
+        self.cores.append(core)
+        core.start()
+        return core
+
+    def _adapter_registry(self, loop: asyncio.AbstractEventLoop) -> AdapterRegistry | None:
+        """The adapters this server knows (names only: the cores read them), when it has any."""
+        from fish_sm.model.config import ModelConfig
+
+        registry = AdapterRegistry.from_package(self.model_dir, ModelConfig.from_file(self.model_dir / "config.json"),
+                                                self.settings)
+        if not registry.enabled:
+            return None
+        # An S3 adapter found removed or replaced (on an executor thread) is read afresh by every core.
+        registry.on_change = lambda name: loop.call_soon_threadsafe(self._forget_adapter, name)
+        return registry
+
+    def _forget_adapter(self, name: str) -> None:
+        for core in self.cores:
+            core.forget_adapter(name)
+
     async def stop(self, app: web.Application) -> None:
+        """After the requests in flight (aiohttp's shutdown): stop the cores, remove their sockets."""
         app["loading"].cancel()
         app["state_metrics"].cancel()
-        for worker in self.workers:
-            worker.batcher.stop()
+        await asyncio.gather(*(core.stop() for core in self.cores))
+        if self._context is not None:
+            self._context.destroy(linger=0)
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
 
     # -- the contract --------------------------------------------------------------------
 
     async def ping(self, request: web.Request) -> web.Response:
         if self.failed:
             return web.json_response({"status": "Failed", "error": self.failed}, status=503)
-        if not self.workers:
+        if not self.serving:
             return web.json_response({"status": "Loading"}, status=503)
-        if not all(w.alive() for w in self.workers):
+        if not all(core.alive() for core in self.cores):
             return web.json_response({"status": "Unhealthy"}, status=503)
-        doc = {"status": "Healthy", "load": [w.batcher.load() for w in self.workers]}
+        doc = {"status": "Healthy", "load": [core.load() for core in self.cores]}
         if self.settings.benchmark_lengths:  # so a benchmark's report can say its lengths were forced
             doc["benchmark_lengths"] = True
         return web.json_response(doc)
@@ -159,8 +161,8 @@ class BatchingApp:
         """The engines' occupancy and queue as a metrics line every STATE_INTERVAL_S while serving."""
         while self.metrics.enabled:
             await asyncio.sleep(STATE_INTERVAL_S)
-            if self.workers:
-                self.metrics.state([w.batcher.load() for w in self.workers])
+            if self.serving:
+                self.metrics.state([core.load() for core in self.cores])
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """Answer the request, then write its metrics line (not for a client that left unanswered)."""
@@ -173,7 +175,7 @@ class BatchingApp:
 
     async def _invocations(self, request: web.Request) -> web.StreamResponse:
         request["received"] = time.perf_counter()
-        if not self.workers:
+        if not self.serving:
             return _error(HTTPError(503, "the model is still loading"))
         try:
             accept = request.headers.get("Accept")
@@ -183,19 +185,22 @@ class BatchingApp:
             # Off the event loop: a large body takes a while to decode, and /ping must not wait.
             loop = asyncio.get_running_loop()
             requests = await loop.run_in_executor(None, parse_body, body, content_type, self.settings)
-            worker = self._least_busy()
+            core = self.least_busy()
             # Each request's adapter, named or implied by its voice (unknown: 400); may ask S3.
-            requests = await loop.run_in_executor(None, resolve_adapters, worker.model, requests)
+            requests = await loop.run_in_executor(None, resolve_adapters, self.adapters, requests,
+                                                  self.settings.default_voice)
             request["figures"].adapter = adapter_label(requests)
             if requests[0].stream:
-                return await self._stream(request, worker, requests[0], accept)
+                return await self._stream(request, core, requests[0], accept)
             jsonlines = media_type(content_type) in JSONLINES_ALIASES
             if jsonlines:
-                results = await self._lines(request, worker, requests)
+                results = await self._lines(request, core, requests)
             else:
                 response_format(accept, requests[0])  # a contradicting Accept fails before any work
-                results = [await self._whole(request, worker, requests[0])]
-            payload, kind = encode_prediction(Prediction(results, requests, jsonlines), accept)
+                results = [await self._whole(request, core, requests[0])]
+            # Off the event loop too: MP3 or Ogg of a long utterance takes a while.
+            payload, kind = await loop.run_in_executor(None, encode_prediction,
+                                                       Prediction(results, requests, jsonlines), accept)
             return web.Response(body=payload, content_type=kind.split(";")[0])
         except HTTPError as exc:
             return _error(exc)
@@ -205,61 +210,66 @@ class BatchingApp:
             logger.exception("request failed")
             return _error(HTTPError(500, "internal error; see the server log"))
 
-    def _least_busy(self) -> Worker:
-        alive = [w for w in self.workers if w.alive()]
+    def least_busy(self) -> EngineCore:
+        """The live core with the fewest requests in flight."""
+        alive = [core for core in self.cores if core.alive()]
         if not alive:
             raise HTTPError(503, "the engine has stopped after an internal error; this instance is unhealthy")
-        return min(alive, key=Worker.busy)
+        return min(alive, key=EngineCore.in_flight)
 
-    async def _submit(self, request: web.Request, worker: Worker, tts: TTSRequest, stream: bool,
-                      bounded: bool = True):
-        """Resolve the voice (encoding a zero-shot recording off the event loop), submit,
-        and return the ticket and the queue its events arrive on. A full engine is a 503,
-        except for the lines of an accepted JSON Lines request (`bounded=False`: see `_lines`)."""
-        loop = asyncio.get_running_loop()
-        reference = await loop.run_in_executor(None, resolve_reference, worker.model, tts)
-        job = Job(tts.text, references=(reference,) if reference is not None else (), chunk_length=tts.chunk_length,
-                  params=tts.sampling, stream=stream, adapter=tts.adapter)
-        events: asyncio.Queue = asyncio.Queue()
+    async def job(self, tts: TTSRequest, stream: bool, session: bool = False) -> ipc.JobSpec:
+        """What a core is sent for `tts`: its text checked as the engine would check it (a session's
+        comes later), its voice's name checked, a zero-shot recording's bytes fetched (S3: off the
+        event loop) and checked."""
         try:
-            ticket = worker.batcher.submit(job, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                                           bounded=bounded)
-        except Overloaded as exc:
-            raise Busy(str(exc), exc.retry_after_s) from None
+            check_text("session" if session else tts.text, tts.chunk_length)
         except InputError as exc:
             raise bad_request(str(exc)) from None
-        except AdapterError as exc:
-            raise engine_error(exc) from None
-        except EngineStopped as exc:
-            raise HTTPError(503, str(exc)) from None
-        return ticket, events
+        if tts.voice is not None and tts.voice not in self.voices:
+            raise bad_request(f"unknown voice {tts.voice!r}; packaged voices: {', '.join(sorted(self.voices)) or 'none'}")
+        reference = None
+        if tts.reference is not None:
+            loop = asyncio.get_running_loop()
+            reference = await loop.run_in_executor(None, reference_audio, tts.reference, self.settings)
+        sampling = tts.sampling
+        return ipc.JobSpec("" if session else tts.text, tts.chunk_length, sampling.temperature, sampling.top_p,
+                           sampling.repetition_penalty, sampling.max_new_tokens, seed=sampling.seed,
+                           stream=stream, adapter=tts.adapter, voice=tts.voice, reference=reference,
+                           reference_text=tts.reference.text if tts.reference is not None else None)
 
-    async def _whole(self, request: web.Request, worker: Worker, tts: TTSRequest, bounded: bool = True,
+    async def _submit(self, core: EngineCore, tts: TTSRequest, stream: bool, bounded: bool = True) -> CoreRequest:
+        """Send the request to `core`; its events arrive on the returned request's queue. A full
+        core is a 503, except for the lines of an accepted JSON Lines request (`bounded=False`:
+        see `_lines`)."""
+        job = await self.job(tts, stream)
+        return core.submit(job, bounded=bounded)
+
+    async def _whole(self, request: web.Request, core: EngineCore, tts: TTSRequest, bounded: bool = True,
                      admitted: asyncio.Future | None = None):
         """One whole utterance; `admitted` is resolved once it leaves the queue for a slot."""
-        ticket, events = await self._submit(request, worker, tts, stream=False, bounded=bounded)
+        handle = await self._submit(core, tts, stream=False, bounded=bounded)
         pieces = []
         try:
             while True:
-                kind, payload = await _next_event(request, events, worker)
+                kind, payload = await next_event(request, handle)
                 if kind == "admitted":
                     if admitted is not None and not admitted.done():
                         admitted.set_result(None)
                 elif kind == "audio":
                     pieces.append(payload)
                 elif kind == "error":
-                    raise engine_error(payload)
-                elif not pieces or not len(pieces[0]):
-                    raise NoAudio()
-                else:
+                    raise payload
+                elif kind == "done":
+                    if not pieces or not len(pieces[0]):
+                        raise NoAudio()
                     payload.audio = pieces[0]
                     request["figures"].add_synthesis(payload.frames, payload.seconds, payload.rtf)
                     return payload
         finally:
-            ticket.cancel()  # no-op once done; frees the slot if the client left
-            _log_request(request, ticket, None)
+            handle.cancel()  # no-op once done; frees the slot if the client left
+            _log_request(request, handle, False, None)
 
-    async def _lines(self, request: web.Request, worker: Worker, requests: list[TTSRequest]) -> list:
+    async def _lines(self, request: web.Request, core: EngineCore, requests: list[TTSRequest]) -> list:
         """The lines of a JSON Lines body, each submitted once the one before it has a slot: the
         body waits in the queue with one line at a time, beside the places other clients may
         take, and their requests are admitted between its lines. A line without audio answers
@@ -270,37 +280,37 @@ class BatchingApp:
             async with asyncio.TaskGroup() as group:
                 for tts in requests:
                     admitted = loop.create_future()
-                    tasks.append(group.create_task(self._line(request, worker, tts, admitted)))
+                    tasks.append(group.create_task(self._line(request, core, tts, admitted)))
                     await asyncio.wait([admitted, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
         except BaseExceptionGroup as errors:
             raise errors.exceptions[0] from None
         return [t.result() for t in tasks]
 
-    async def _line(self, request: web.Request, worker: Worker, tts: TTSRequest, admitted: asyncio.Future):
+    async def _line(self, request: web.Request, core: EngineCore, tts: TTSRequest, admitted: asyncio.Future):
         try:
-            return await self._whole(request, worker, tts, bounded=False, admitted=admitted)
+            return await self._whole(request, core, tts, bounded=False, admitted=admitted)
         except NoAudio as exc:
             return exc
 
-    async def _stream(self, request: web.Request, worker: Worker, tts: TTSRequest, accept: str | None):
+    async def _stream(self, request: web.Request, core: EngineCore, tts: TTSRequest, accept: str | None):
         kind, fmt = response_format(accept, tts)
         if kind not in (AUDIO_TYPES["wav"], AUDIO_TYPES["pcm"]):
             raise HTTPError(406, f"a stream is answered in audio/wav or audio/pcm, not {kind}")
-        ticket, events = await self._submit(request, worker, tts, stream=True)
-        rate = worker.model.engine.sample_rate
+        handle = await self._submit(core, tts, stream=True)
+        rate = core.sample_rate
         response, first_byte = None, None
         try:
             while True:
-                event, payload = await _next_event(request, events, worker)
+                event, payload = await next_event(request, handle)
                 if event == "admitted" or (event == "audio" and not len(payload)):
                     continue
                 if event == "done" and response is None:
                     raise NoAudio()
                 if event == "error":
                     if response is None:
-                        raise engine_error(payload)
-                    logger.error("stream failed after it started: %s", payload)
-                    request["figures"].status = 500  # the 200 went out; the stream is cut short
+                        raise payload
+                    logger.error("stream failed after it started: %s", payload.message)
+                    request["figures"].status = payload.status if payload.status >= 500 else 500  # the 200 went out
                     break  # the status is sent: ending the body early is all that is left
                 if response is None:
                     response = web.StreamResponse(headers={"Content-Type": kind if fmt == "wav" else
@@ -319,20 +329,18 @@ class BatchingApp:
             await response.write_eof()
             return response
         finally:
-            ticket.cancel()
-            _log_request(request, ticket, first_byte)
+            handle.cancel()
+            _log_request(request, handle, True, first_byte)
 
 
-async def _next_event(request: web.Request, events: asyncio.Queue, worker: Worker):
-    """The next engine event; ConnectionResetError as soon as the client has gone, 503 if
-    the engine stopped without answering."""
+async def next_event(request: web.Request, handle: CoreRequest):
+    """The request's next event from its core; ConnectionResetError as soon as the client has gone.
+    (A core that dies sends its requests an error event: nothing hangs on it.)"""
     while True:
         try:
-            return await asyncio.wait_for(events.get(), timeout=0.5)
+            return await asyncio.wait_for(handle.events.get(), timeout=0.5)
         except asyncio.TimeoutError:
             _check_client(request)
-            if not worker.alive() and events.empty():
-                raise HTTPError(503, "the engine stopped after an internal error; this instance is unhealthy") from None
 
 
 def _check_client(request: web.Request) -> None:
@@ -341,13 +349,13 @@ def _check_client(request: web.Request) -> None:
         raise ConnectionResetError("the client disconnected")
 
 
-def _log_request(request: web.Request, ticket, first_byte: float | None) -> None:
-    """One line per request, with where its time went (measured from its arrival): parsing
-    and the voice until the engine took it, the queue, the first frame, the first audio
-    decoded and, streaming, written. Under load these tell a slow admission from a busy codec
-    or a busy event loop."""
-    t, received = ticket.timings, request.get("received", ticket.submitted)
-    accepted = ticket.submitted - received
+def _log_request(request: web.Request, handle: CoreRequest, stream: bool, first_byte: float | None) -> None:
+    """One line per request, with where its time went (measured from its arrival): parsing,
+    the voice and the way to its core until the engine took it, the queue, the first frame, the
+    first audio decoded and, streaming, written. Under load these tell a slow admission from a
+    busy codec or a busy event loop. The core's timings count from the engine taking it."""
+    t, received = handle.timings, request.get("received", handle.sent)
+    accepted = handle.sent - received + handle.accepted_s
 
     def ms(key: str) -> str:
         return f"{(accepted + t[key]) * 1e3:.0f} ms" if key in t else "-"
@@ -355,13 +363,13 @@ def _log_request(request: web.Request, ticket, first_byte: float | None) -> None
     outcome = "done" if "total" in t else "ended early"  # an error, or the client left
     figures = request.get("figures")
     if figures is not None:
-        figures.stream = figures.stream or ticket.job.stream
+        figures.stream = figures.stream or stream
         if "queue" in t:
             figures.add_queue_wait(t["queue"] * 1e3)
         if first_byte:
             figures.first_audio_ms = (first_byte - received) * 1e3
     logger.info("%s %s: accepted %.0f ms, admitted %s, first frame %s, first audio %s, first byte %s, total %s",
-                "stream" if ticket.job.stream else "request", outcome, accepted * 1e3, ms("queue"), ms("first_frame"),
+                "stream" if stream else "request", outcome, accepted * 1e3, ms("queue"), ms("first_frame"),
                 ms("first_audio"), f"{(first_byte - received) * 1e3:.0f} ms" if first_byte else "-", ms("total"))
 
 
@@ -371,8 +379,9 @@ def _error(exc: HTTPError) -> web.Response:
     return error_response(exc.status, exc.message, headers=headers, close=exc.status in (408, 413))
 
 
-def make_app(model_dir: Path, settings: Settings) -> web.Application:
-    server = BatchingApp(model_dir, settings)
+def make_app(model_dir: Path, settings: Settings, launch: Launch = launch_process) -> web.Application:
+    """The front end's app; `launch` starts a core (a process, unless a test runs one in-process)."""
+    server = BatchingApp(model_dir, settings, launch)
     app = application(Limits.from_settings(settings))
     app.router.add_get("/ping", server.ping)
     app.router.add_post("/invocations", server.invocations)
@@ -388,10 +397,11 @@ def serve(cfg: ServerConfig) -> int:
     check_model_dir(cfg.model_dir)
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fish_sm").setLevel(settings.log_level)
     app = make_app(cfg.model_dir, settings)
     asyncio.run(_run(app, cfg))
     if app["server"].failed:
-        # Raised once the server is down, so the one line is the last; the CLI prints it.
+        # Raised once the server and its cores are down, so the one line is the last; the CLI prints it.
         raise FishSMError(app["server"].failed)
     return 0
 
@@ -403,3 +413,5 @@ async def _run(app: web.Application, cfg: ServerConfig) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        if not app["server"].failed:
+            logger.info("stopping: no new connections; the requests in flight finish, then the engine cores stop")

@@ -18,9 +18,9 @@ The protocol, client to server:
    "voice" or "reference", "adapter" (a LoRA adapter; a packaged voice may imply one), the
    sampling fields ("seed", "temperature", ..., "chunk_length") and "format": "pcm" (default) or
    "wav". It is checked by the same code as `/invocations` (`contract.parse_request`,
-   `runtime.resolve_reference`, `runtime.resolve_adapters`); a bad one, or a full server (503),
-   gets an error message and the socket closes. An adapter that cannot be read fails the session
-   at its first sentence (422).
+   `adapters.resolve_adapters`, the server's `job`), and the session is opened on the least busy
+   engine core; a bad one, or a full server (503), gets an error message and the socket closes.
+   An adapter that cannot be read fails the session at its first sentence (422).
 2. Then text as the LLM writes it: any message not starting with "{" is text (split anywhere,
    mid-word too). The server buffers it and speaks each complete sentence at once: one that
    ends with . ! ? or … followed by whitespace or by the end of a message (not after a digit,
@@ -52,12 +52,13 @@ import time
 
 from aiohttp import WSMsgType, web
 
-from fish_sm.contract import STREAM_FORMATS, RequestError, TTSRequest, parse_request
+from fish_sm.contract import STREAM_FORMATS, RequestError, TTSRequest, check_text, parse_request
+from fish_sm.errors import InputError
 from fish_sm.serving import audio as audio_out
-from fish_sm.serving.errors import HTTPError, engine_error
+from fish_sm.serving.adapters import resolve_adapters
+from fish_sm.serving.errors import Busy, HTTPError
 from fish_sm.serving.metrics import SessionFigures
 from fish_sm.serving.request import load_json
-from fish_sm.serving.runtime import resolve_adapters, resolve_reference
 
 logger = logging.getLogger("fish_sm.serving")
 
@@ -111,8 +112,7 @@ class BidiSession:
         self.buffer = SentenceBuffer()
         self.parts = 0  # text messages so far
         self.sentences: list[str] = []
-        self.session = None
-        self.worker = None
+        self.session = None  # its `CoreRequest`, once opened on a core
         self.opened = time.perf_counter()
         self.first_queued: float | None = None  # when the first sentence went to the engine
         self.first_audio: float | None = None
@@ -132,8 +132,8 @@ class BidiSession:
     # -- the first message ------------------------------------------------------------
 
     async def open(self) -> bool:
-        """Read and check the first message, resolve the voice, open the engine session."""
-        if not self.server.workers:
+        """Read and check the first message, resolve the voice, open the session on a core."""
+        if not self.server.serving:
             await self.error("the model is still loading", 503, ends=True)
             return False
         try:
@@ -145,42 +145,40 @@ class BidiSession:
             return False  # closed before it began
         try:
             tts = self._settings_of(msg.data)
-            self.worker = self.server._least_busy()
+            core = self.server.least_busy()
             loop = asyncio.get_running_loop()
-            tts, = await loop.run_in_executor(None, resolve_adapters, self.worker.model, [tts])
+            tts, = await loop.run_in_executor(None, resolve_adapters, self.server.adapters, [tts],
+                                              self.settings.default_voice)
             self.figures.adapter = tts.adapter
-            reference = await loop.run_in_executor(None, resolve_reference, self.worker.model, tts)
+            job = await self.server.job(tts, stream=True, session=True)
+            self.session = core.open_session(job)
+            self.events = self.session.events
+            while True:  # the core says whether it queued the session
+                kind, payload = await self._next()
+                if kind == "opened":
+                    break
+                if kind == "error":
+                    self.session = None  # ended already
+                    raise payload
+        except Busy as exc:
+            self.figures.rejected, self.figures.status, self.outcome = True, 503, "refused"
+            await self.ws.send_json({"error": exc.message, "status": 503, "retry_after_s": exc.retry_after_s})
+            return False
         except HTTPError as exc:
             await self.error(exc.message, exc.status, ends=True)
             return False
-        from fish_sm.engine.batching import EngineStopped, Job, Overloaded
-        from fish_sm.errors import AdapterError
-
         self.tts = tts
         self.format = tts.format or "pcm"
-        self.events: asyncio.Queue = asyncio.Queue()
-        job = Job("", references=(reference,) if reference is not None else (), chunk_length=tts.chunk_length,
-                  params=tts.sampling, stream=True, adapter=tts.adapter)
-        try:
-            self.session = self.worker.batcher.open_session(
-                job, sink=lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
-        except Overloaded as exc:
-            self.figures.rejected, self.figures.status, self.outcome = True, 503, "refused"
-            await self.ws.send_json({"error": f"{exc}; retry after {exc.retry_after_s} s", "status": 503,
-                                     "retry_after_s": exc.retry_after_s})
-            return False
-        except AdapterError as exc:
-            error = engine_error(exc)
-            await self.error(error.message, error.status, ends=True)
-            return False
-        except EngineStopped as exc:
-            await self.error(str(exc), 503, ends=True)
-            return False
-        rate = self.worker.model.engine.sample_rate
+        rate = core.sample_rate
         await self.ws.send_json({"ready": True, "sample_rate": rate, "format": self.format})
         if self.format == "wav":
             await self.ws.send_bytes(audio_out.open_wav_header(rate))
         return True
+
+    async def _next(self):
+        from fish_sm.serving.batching_server import next_event
+
+        return await next_event(self.request, self.session)
 
     def _settings_of(self, data) -> TTSRequest:
         text = _text_of(data)
@@ -279,17 +277,16 @@ class BidiSession:
         await self._speak(self.buffer.add(piece))
 
     async def _speak(self, sentences: list[str]) -> None:
-        from fish_sm.engine.batching import EngineStopped
-        from fish_sm.errors import InputError
-
         for sentence in sentences:
             try:
-                self.session.speak(sentence)
+                check_text(sentence, self.tts.chunk_length)
             except InputError as exc:
                 await self.error(str(exc))
                 continue
-            except EngineStopped as exc:
-                await self.error(str(exc), 503, ends=True)
+            try:
+                self.session.speak(sentence)
+            except HTTPError as exc:  # its core no longer serves
+                await self.error(exc.message, exc.status, ends=True)
                 raise Closed() from None
             self.first_queued = self.first_queued or time.perf_counter()
             await self.ws.send_json({"queued": len(self.sentences), "text": sentence, "part": self.parts})
@@ -297,14 +294,8 @@ class BidiSession:
 
     async def _write(self) -> None:
         """Engine events out to the client until the session is over."""
-        from fish_sm.serving.batching_server import _next_event
-
         while True:
-            try:
-                kind, payload = await _next_event(self.request, self.events, self.worker)
-            except HTTPError as exc:
-                await self.error(exc.message, exc.status, ends=True)
-                return
+            kind, payload = await self._next()
             if kind == "audio" and len(payload) and not self.cancelled:
                 if self.first_audio is None:
                     self.first_audio = time.perf_counter()
@@ -318,9 +309,10 @@ class BidiSession:
                 await self.ws.send_json({"done": self._summary(payload)})
                 return
             elif kind == "error":
-                exc = engine_error(payload)
-                await self.error(exc.message, exc.status, ends=True)
+                await self.error(payload.message, payload.status, ends=True)
                 return
+            elif kind == "rejected":  # a sentence its core refused; the session goes on
+                await self.error(payload.message, payload.status)
             elif kind == "cancelled":
                 self.outcome = "cancelled"
                 await self.ws.send_json({"cancelled": True})

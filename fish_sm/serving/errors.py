@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 logger = logging.getLogger("fish_sm.serving")
 
@@ -44,8 +45,6 @@ def engine_error(exc: Exception) -> HTTPError:
     """The answer to a synthesis that failed: the request's own fault (400), an adapter that cannot
     be read or served (422: this request only), the GPU's memory (503: this request only; a retry
     or a shorter one may fit), the engine's state (503), or ours (500)."""
-    import torch
-
     from fish_sm.errors import AdapterError, FishSMError, InputError
 
     if isinstance(exc, HTTPError):
@@ -54,7 +53,7 @@ def engine_error(exc: Exception) -> HTTPError:
         return bad_request(str(exc))
     if isinstance(exc, AdapterError):
         return HTTPError(422, " ".join(str(exc).split()))
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
+    if _out_of_memory(exc):
         return HTTPError(503, "the GPU ran out of memory for this request; retry, or send a shorter text or reference")
     if isinstance(exc, FishSMError):
         return HTTPError(503, str(exc))
@@ -66,13 +65,18 @@ def start_up_failure(exc: BaseException) -> tuple[str, bool]:
     """A server's start-up failure in one line, and whether it is one its user can act on (a
     bad file or setting, too little memory), whose traceback would only bury the message;
     anything else is a bug, whose traceback belongs in the log."""
-    import torch
-
     from fish_sm.errors import FishSMError
 
     if isinstance(exc, FishSMError):
         message = str(exc)
     else:
         message = f"{type(exc).__name__}: {exc}"
-    expected = isinstance(exc, (FishSMError, OSError, ValueError, MemoryError, torch.cuda.OutOfMemoryError))
+    expected = isinstance(exc, (FishSMError, OSError, ValueError, MemoryError)) or _out_of_memory(exc)
     return " ".join(message.split()), expected
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is torch's CUDA out-of-memory error (never where torch is not loaded: the
+    batching server's front end maps errors without it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError)

@@ -1,67 +1,39 @@
-"""What both servers are made of: the model a directory serves, and a request's way through it.
+"""What loads and runs the model on one device, for both servers: the sequential engine of the
+model server's handler, and each engine core of the batching server (`serving/core.py`).
 
-- Start-up: `check_model_dir` (before any server starts), `load_model` (verify the package,
-  load, quantize, open the compile cache, load the packaged voices, each phase timed), and
-  for the sequential engine `start_model` (that, then compile, warm up, save the cache).
-- Requests: `resolve_reference` (a packaged voice, a zero-shot recording from the body or
-  S3, or the default), `resolve_adapters` (the LoRA adapter each uses, named or implied by its
-  voice), `synthesize` and `predict` on the sequential engine, and
-  `encode_prediction`, the response body for an Accept header.
+- Start-up: `load_model` (verify the package, load, quantize, open the compile cache, load the
+  packaged voices, each phase timed), and for the sequential engine `start_model` (that, then
+  compile, warm up, save the cache). `check_model_dir` (`serving/config.py`) runs before any of it.
+- Requests: `resolve_reference` (a packaged voice, a zero-shot recording from the body or S3,
+  encoded, or the default), `resolve_adapters` (the LoRA adapter each uses, named or implied by
+  its voice), `synthesize` and `predict` on the sequential engine, and `encode_prediction`
+  (`serving/response.py`), the response body for an Accept header.
 Every problem a client can act on is an `HTTPError`.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import soundfile as sf
-
 from fish_sm.contract import TTSRequest
 from fish_sm.engine import Engine, Reference
 from fish_sm.engine.engine import freeze_start_up_objects
-from fish_sm.errors import AdapterError, CheckpointError, FishSMError, InputError
+from fish_sm.errors import AdapterError, FishSMError, InputError
 from fish_sm.package.voices import load_voices
-from fish_sm.serving import audio as audio_out
+from fish_sm.serving import adapters
 from fish_sm.serving.adapters import AdapterRegistry
 from fish_sm.serving.compile_cache import CompileCache
 from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
-from fish_sm.serving.request import JSON, JSONLINES, check_accept, response_format
+from fish_sm.serving.references import reference_audio
+from fish_sm.serving.response import Prediction
 from fish_sm.settings import Settings
 
 logger = logging.getLogger("fish_sm.serving")
 
 WARMUP_TEXT = "Warming up the speech engine so that the first request is fast."
-REQUIRED = ("config.json", "tokenizer.tiktoken", "special_tokens.json")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model_dir: Path
-    port: int = 8080
-    host: str = "127.0.0.1"
-    workers: int | None = None  # default: one per GPU, or one on the CPU
-    response_timeout: int = 900  # seconds for one request: long texts on a busy worker
-
-
-def check_model_dir(model_dir: Path) -> None:
-    """A package directory (every file verified against its manifest.json, and against
-    FISH_SM_MANIFEST_SHA256 when set) or a plain checkpoint directory: the checkpoint files at the top."""
-    from fish_sm.package.verify import verify_package
-
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: not a directory")
-    missing = [f for f in REQUIRED if not (model_dir / f).is_file()]
-    for stem in ("model", "codec"):
-        if not any((model_dir / (stem + s)).is_file() for s in (".pth", ".safetensors")):
-            missing.append(stem + ".pth")
-    if missing:
-        raise CheckpointError(f"{model_dir}: not a checkpoint or package directory (missing {', '.join(missing)})")
-    # Verified here, before Java or any engine starts; load_model's own check in this process then finds it verified.
-    verify_package(model_dir, Settings.from_env().manifest_sha256)
 
 
 @dataclass
@@ -75,20 +47,6 @@ class ServingModel:
     timings: dict[str, float] = field(default_factory=dict)
     compiled: bool = False  # compile (and keep a compile cache) on this device
     adapters: AdapterRegistry | None = None  # LoRA adapters (packaged, S3 sources), when there are any
-
-
-def adapter_label(requests: list[TTSRequest]) -> str | None:
-    """The adapter a request's metrics line is counted under: the one its requests use (several
-    adapters in one JSON Lines body: none), None without."""
-    names = {r.adapter for r in requests if r.adapter is not None}
-    return names.pop() if len(names) == 1 else None
-
-
-@dataclass
-class Prediction:
-    results: list  # engine Synthesis objects, one per request
-    requests: list[TTSRequest]
-    jsonlines: bool
 
 
 def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn"):
@@ -168,14 +126,8 @@ def _warm_up(model: ServingModel) -> None:
 
 
 def resolve_adapters(model: ServingModel, requests: list[TTSRequest]) -> list[TTSRequest]:
-    """The requests with the adapter each uses (named, or implied by its voice), every one known
-    here: an unknown adapter is a 400 naming it, before any synthesis. May ask S3 (off the event loop)."""
-    if model.adapters is None:
-        for request in requests:
-            if request.adapter is not None:
-                raise bad_request(f"unknown adapter {request.adapter!r}; this server has no adapters")
-        return requests
-    return [model.adapters.resolve(r, model.settings.default_voice) for r in requests]
+    """The requests with the adapter each uses (`adapters.resolve_adapters`: unknown ones are a 400)."""
+    return adapters.resolve_adapters(model.adapters, requests, model.settings.default_voice)
 
 
 def predict(model: ServingModel, requests: list[TTSRequest], jsonlines: bool) -> Prediction:
@@ -223,57 +175,8 @@ def resolve_reference(model: ServingModel, request: TTSRequest) -> Reference | N
         return model.voices[request.voice]
     if request.reference is None:
         return model.voices.get(model.settings.default_voice)
-    ref = request.reference
-    audio = ref.audio if ref.audio is not None else _fetch_s3(ref.s3_bucket, ref.s3_key, model.settings)
-    if len(audio) > model.settings.max_reference_bytes:
-        raise HTTPError(413, f"reference audio is {len(audio)} bytes; the limit is {model.settings.max_reference_bytes}")
+    audio = reference_audio(request.reference, model.settings)
     try:
-        info = sf.info(io.BytesIO(audio))
-    except Exception:
-        raise HTTPError(422, "the reference audio cannot be decoded (send WAV, FLAC or Ogg)") from None
-    if info.duration > model.settings.max_reference_seconds:
-        raise HTTPError(413, f"reference audio is {info.duration:.1f} s; the limit is {model.settings.max_reference_seconds:g} s")
-    try:
-        return model.engine.encode_reference(audio, ref.text)
+        return model.engine.encode_reference(audio, request.reference.text)
     except InputError as exc:
         raise HTTPError(422, f"reference audio: {exc}") from None
-
-
-def _fetch_s3(bucket: str, key: str, settings: Settings) -> bytes:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from fish_sm.serving.s3 import s3_client
-
-    try:
-        obj = s3_client().get_object(Bucket=bucket, Key=key)
-        if obj.get("ContentLength", 0) > settings.max_reference_bytes:
-            raise HTTPError(413, f"s3://{bucket}/{key} is over the {settings.max_reference_bytes} byte limit")
-        return obj["Body"].read()
-    except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "")
-        status = 403 if code in ("AccessDenied", "403") else 400
-        raise HTTPError(status, f"cannot read s3://{bucket}/{key}: {code or exc}") from None
-    except BotoCoreError as exc:
-        raise HTTPError(400, f"cannot read s3://{bucket}/{key}: {exc}") from None
-
-
-def encode_prediction(prediction: Prediction, accept) -> tuple[bytes, str]:
-    """(body, media type) for the Accept header; JSON Lines in, JSON Lines out."""
-    if prediction.jsonlines:
-        check_accept(accept, jsonlines=True)
-        lines = [_json(request, result, request.format or "wav") for request, result in zip(prediction.requests, prediction.results)]
-        return b"\n".join(lines) + b"\n", JSONLINES
-    request, result = prediction.requests[0], prediction.results[0]
-    kind, fmt = response_format(accept, request)
-    if kind == JSON:
-        return _json(request, result, fmt), kind
-    if kind == JSONLINES:
-        return _json(request, result, fmt) + b"\n", kind
-    return audio_out.encode_audio(result.audio, result.sample_rate, fmt, request.sample_rate)[0], kind
-
-
-def _json(request: TTSRequest, result, fmt: str) -> bytes:
-    if isinstance(result, HTTPError):  # a JSON Lines line that failed on its own
-        return audio_out.json_bytes({"error": result.message, "status": result.status})
-    body, rate = audio_out.encode_audio(result.audio, result.sample_rate, fmt, request.sample_rate)
-    return audio_out.json_bytes(audio_out.json_document(body, fmt, rate, result))

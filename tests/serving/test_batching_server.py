@@ -6,7 +6,9 @@ import base64
 import http.client
 import io
 import json
+import os
 import re
+import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -157,12 +159,30 @@ def test_stream_arrives_in_pieces_that_concatenate_to_the_whole(server):
     assert upto_first_byte == sorted(upto_first_byte)
 
 
-def test_the_unpacked_package_is_removed_when_the_server_stops(server):
-    """Last of the module server's tests: it stops it."""
+def test_sigterm_lets_the_requests_in_flight_finish_then_the_server_and_its_cores_exit_0(server):
+    """Last of the module server's tests: it stops it, with SIGTERM to its process group as
+    `docker stop` sends it, while a stream is being answered. The stream ends whole, then the
+    engine core is told to stop and exits 0, and the server exits 0, leaving neither the
+    unpacked package nor the cores' private socket directory behind."""
     unpacked = unpacked_dir(server)
     assert (unpacked / "manifest.json").is_file() and (unpacked.stat().st_mode & 0o777) == 0o700
-    server.stop()
-    assert server.proc.returncode == 0 and not unpacked.exists()
+    [core] = [int(p) for p in open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read().split()]
+    sockets = re.search(r"--commands\0ipc://(\S+?)/core-0\.commands", open(f"/proc/{core}/cmdline").read()).group(1)
+    body = {"text": "Streaming this sentence, piece by piece.", "max_new_tokens": 128, "seed": 7, "voice": "narrator"}
+    whole = pcm(invoke(server, body)[2])
+    conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=60)
+    conn.request("POST", "/invocations", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read1(1 << 20)
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    data += response.read()
+    assert response.status == 200 and len(data) == 44 + 2 * len(whole)  # all of it
+    assert server.proc.wait(timeout=60) == 0
+    log = server.log.read_text()
+    stopping = log.index("stopping: no new connections")
+    assert log.index("stream done: ", stopping) < log.index("cpu: shutting down", stopping)
+    assert f"engine core 0 (cpu, pid {core}) stopped (exit status 0)" in log
+    assert not unpacked.exists() and not os.path.exists(sockets)
 
 
 def test_overload_is_503_at_once_and_a_disconnect_frees_the_slot(one_slot):

@@ -21,7 +21,8 @@ from server_helpers import free_port, serve_cmd
 from fish_sm.errors import CheckpointError, InputError
 from fish_sm.serving.mms import handler
 from fish_sm.serving.compile_cache import META, build_info
-from fish_sm.serving.runtime import check_model_dir, load_model
+from fish_sm.serving.config import check_model_dir
+from fish_sm.serving.runtime import load_model
 from fish_sm.package.build import build_package_dir
 from fish_sm.settings import Settings
 from fish_sm.package.verify import verify_package

@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from fish_sm.engine.engine import Engine, check_text
+from fish_sm.contract import check_text
+from fish_sm.engine.engine import Engine
 from fish_sm.errors import AdapterError, FishSMError, InputError
 from fish_sm.engine.batching.codec_worker import CodecWorker
 from fish_sm.engine.batching.request import EngineStopped, Event, Job, Session, Ticket

@@ -14,11 +14,13 @@ from pathlib import Path
 
 from fish_sm.contract import TTSRequest
 from fish_sm.serving import runtime
+from fish_sm.serving.adapters import adapter_label
 from fish_sm.serving.errors import bad_request
 from fish_sm.serving.metrics import ADAPTER_HEADER, AUDIO_HEADER, audio_header
 from fish_sm.serving.mms.errors import toolkit_errors
 from fish_sm.serving.request import JSONLINES_ALIASES, media_type, parse_body
-from fish_sm.serving.runtime import Prediction, ServingModel
+from fish_sm.serving.response import Prediction, encode_prediction
+from fish_sm.serving.runtime import ServingModel
 from fish_sm.settings import Settings
 
 
@@ -65,7 +67,7 @@ def predict_fn(data: Batch, model: ServingModel, context=None) -> Prediction:
     counts the answer under it, an adapter's failure too."""
     with toolkit_errors():
         requests = runtime.resolve_adapters(model, data.requests)
-        adapter = runtime.adapter_label(requests)
+        adapter = adapter_label(requests)
         if adapter is not None and hasattr(context, "set_response_header"):
             context.set_response_header(0, ADAPTER_HEADER, adapter)
         return runtime.predict(model, requests, data.jsonlines)
@@ -75,7 +77,7 @@ def output_fn(prediction: Prediction, accept, context=None) -> tuple[bytes, str]
     """Encode the result for the Accept header; JSON Lines in, JSON Lines out. The audio's figures
     go in a response header, from which the mms server's gate writes the request's metrics line."""
     with toolkit_errors():
-        encoded = runtime.encode_prediction(prediction, accept)
+        encoded = encode_prediction(prediction, accept)
     figures = audio_header(prediction.results)
     if figures is not None and hasattr(context, "set_response_header"):
         context.set_response_header(0, AUDIO_HEADER, figures)

@@ -35,7 +35,7 @@ from fish_sm.serving.http import PAYLOAD_LIMIT, Limits, bind, listening
 from fish_sm.serving.metrics import Metrics
 from fish_sm.serving.mms.gate import READY_DIR_ENV, Front, load_failure, make_app
 from fish_sm.serving.mms.handler_service import MODEL_DIR_ENV
-from fish_sm.serving.runtime import ServerConfig, check_model_dir
+from fish_sm.serving.config import ServerConfig, check_model_dir
 from fish_sm.settings import Settings
 
 HANDLER = "fish_sm.serving.mms.handler_service:handle"
