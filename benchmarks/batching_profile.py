@@ -4,11 +4,13 @@ benchmarks/engine.py runs them) is run up to three times on one compiled engine 
 
 1. plain: frames/s (text to last audio, decode span, steady window), first audio, the wall
    time per decode step, and the engine thread's host time per step: its iterations' wall time
-   less their waits for the GPU's frames and for work (`BatchEngine.stats`, always counted);
+   less their waits for the GPU's frames and for work, and the part of it that was the thread's
+   own CPU time (the rest: waiting for the GIL) (`BatchEngine.stats`, always counted);
 2. cuda: the same with a CUDA profile (torch.profiler) and no Python hook: each CUDA stream's
    GPU time (kernels, busy time as the union of its kernels' intervals), the decode stream's
-   busy time per step (the stream with the most kernels), how long it and the codec's stream
-   (the next busiest) ran at the same time, and the wall time per step against that busy time;
+   busy time per step (the stream that ran the decode step's noise kernel), how long it and
+   the codec's stream (the next busiest) ran at the same time, and the wall time per step
+   against that busy time;
 3. hook: the host time of the engine thread's and the codec thread's calls, per decode step,
    from a profile hook on those threads (`threading.setprofile`: nothing in fish_sm is
    replaced; each call's time includes what it calls, and the hook slows the Python it
@@ -43,6 +45,7 @@ from benchmarks.engine import BATCH_TEXTS, batching_level, environment, load, st
 # that no longer exists is reported as missing, not an error.
 ENGINE_THREAD = "fish-sm-batching"
 CODEC_THREAD = "fish-sm-codec"
+DECODE_KERNEL = "_exponential"  # the Triton kernel that draws each decode step's noise (kernels.exponential_noise)
 TIMED = [
     ("fish_sm.engine.batching.engine", "BatchEngine", "_schedule"),  # wait for work, the scheduler's decisions
     ("fish_sm.engine.batching.engine", "BatchEngine", "_execute"),  # admissions, prefills, the step queued
@@ -116,9 +119,13 @@ def stream_times(trace: list[dict]) -> dict:
     """Per CUDA stream of a chrome trace: kernels, their summed and busy (union) ms, and its
     busy intervals (for overlaps)."""
     by_stream = collections.defaultdict(list)
+    names = collections.defaultdict(set)
     for e in trace:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            by_stream[e.get("args", {}).get("stream", e.get("tid"))].append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+            stream = e.get("args", {}).get("stream", e.get("tid"))
+            by_stream[stream].append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+            if e.get("cat") == "kernel":
+                names[stream].add(e.get("name", ""))
     out = {}
     for stream, spans in by_stream.items():
         spans.sort()
@@ -130,7 +137,8 @@ def stream_times(trace: list[dict]) -> dict:
                 merged.append([start, end])
         out[stream] = {"kernels": sum(cat == "kernel" for _, _, cat in spans),
                        "summed_ms": sum(end - start for start, end, _ in spans) / 1e3,
-                       "busy_ms": sum(end - start for start, end in merged) / 1e3, "intervals": merged}
+                       "busy_ms": sum(end - start for start, end in merged) / 1e3, "intervals": merged,
+                       "decode": any(DECODE_KERNEL in name for name in names[stream])}
     return out
 
 
@@ -155,7 +163,9 @@ def gpu_summary(prof, steps: int) -> dict:
         with open(path) as f:
             trace = json.load(f)["traceEvents"]
     streams = stream_times(trace)
-    ranked = sorted(streams, key=lambda s: -streams[s]["kernels"])
+    # The decode stream: the one that ran the decode step's noise kernel (else the one with the most
+    # kernels); the codec's: the busiest of the others.
+    ranked = sorted(streams, key=lambda s: (not streams[s]["decode"], -streams[s]["kernels"]))
     out = {"streams": {str(s): {k: round(v, 2) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}
     if ranked:
         decode = streams[ranked[0]]
@@ -192,7 +202,7 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
     steps = after["steps"] - before["steps"]
-    per_step = {k: (after[k] - before[k]) * 1e3 / max(steps, 1) for k in ("wall_s", "wait_s", "host_s")}
+    per_step = {k: (after[k] - before[k]) * 1e3 / max(steps, 1) for k in ("wall_s", "wait_s", "host_s", "host_cpu_s")}
     record = {"run": run, "streams": n, "rounds": rounds,
               "aggregate_frames_per_s": level["aggregate_frames_per_s"],
               "aggregate_decode_frames_per_s": level["aggregate_decode_frames_per_s"],
@@ -202,6 +212,7 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
               "wall_s": level["wall_s"], "steps": steps,
               "decode_span_ms_per_step": level["decode_span_s"] * 1e3 / max(steps, 1),
               "iteration_ms_per_step": per_step["wall_s"], "host_ms_per_step": per_step["host_s"],
+              "host_cpu_ms_per_step": per_step["host_cpu_s"],
               "gpu_wait_ms_per_step": per_step["wait_s"],
               "rows_per_step": level["aggregate_decode_frames_per_s"] * level["decode_span_s"] / max(steps, 1)}
     if timer is not None:

@@ -16,8 +16,10 @@ A closed-loop population (`Population`, --listeners) is the other way to load a 
 listeners, each asking (a request from the same mix), playing the answer at real time from its
 first audio, and asking again as soon as it has played (`played_at`: first audio + audio +
 underruns; a whole answer once it has arrived and played; a failure after the audio it asked
-for would have played). First requests are spread over the first second (seeded); nobody asks
-after the duration, and the level ends when the answers in flight are in. The same samples,
+for would have played). First requests are spread over one mean answer of the mix (seeded), so
+requests arrive from the start at the rate the loop keeps up (listeners / mean answer seconds),
+not as one burst whose first audio would dominate the level's p99; nobody asks after the
+duration, and the level ends when the answers in flight are in. The same samples,
 verdict and ramp; the capacity is then the largest passing level's listeners. Against a URL
 the listeners run as tasks on one asyncio event loop with aiohttp's client (threads, one a
 listener, fall behind well before 1,024 listeners of 44.1 kHz WAV); an endpoint's go through
@@ -66,7 +68,6 @@ WHOLE_SHARE = 0.10  # of requests that ask for the whole WAV rather than a strea
 ARRIVALS = ("poisson", "fixed")
 ONE_CHUNK = CHUNK_LENGTH_RANGE[1]  # so max_new_tokens, which is per chunk, bounds the whole text
 ACCEPT = "audio/wav"
-SPREAD_S = 1.0  # closed loop: listeners' first requests, spread uniformly over this
 POPULATIONS = ("open loop", "closed loop")
 LATE_WARNING_MS = 100.0  # a client sending this much after a request's arrival is itself the bottleneck
 
@@ -326,18 +327,19 @@ def played_at(sample: StreamSample) -> float:
 class Population:
     """A closed-loop level: `listeners` listeners, each asking (a request drawn from the mix), playing
     the answer at real time from its first audio, and asking again as soon as it has played
-    (`played_at`). First requests are spread uniformly over the first `spread_s` seconds; nobody
-    asks at or after `duration_s`. Seeded: a listener's k-th request is the same whatever the
+    (`played_at`). First requests are spread uniformly over the first `spread_s` seconds (default:
+    the mix's mean answer, the loop's steady pace from the start); nobody asks at or after `duration_s`. Seeded: a listener's k-th request is the same whatever the
     timing (each listener draws from a generator of its own). Safe to share across threads."""
 
-    def __init__(self, mix: Mix, listeners: int, duration_s: float, seed: int = 0, spread_s: float = SPREAD_S):
+    def __init__(self, mix: Mix, listeners: int, duration_s: float, seed: int = 0, spread_s: float | None = None):
         if listeners < 1:
             raise InputError(f"--listeners levels must be at least 1, got {listeners}")
         if duration_s <= 0:
             raise InputError(f"--duration must be positive, got {duration_s:g}")
         self.mix, self.listeners, self.duration_s = mix, listeners, duration_s
+        self.spread_s = min(mix.mean_seconds if spread_s is None else spread_s, duration_s)
         rng = np.random.default_rng([seed, listeners, 1])
-        self.starts = [float(t) for t in rng.uniform(0.0, min(spread_s, duration_s), listeners)]
+        self.starts = [float(t) for t in rng.uniform(0.0, self.spread_s, listeners)]
         self._rngs = [np.random.default_rng([seed, listeners, 2, i]) for i in range(listeners)]
         self._next_index = 0
         self._lock = threading.Lock()
@@ -703,7 +705,8 @@ def run_capacity(target, *, levels: list[int], duration_s: float, mix: Mix, popu
     figures = capacity_figures(level_of(best) if best else None, gpus=gpus, instances=instances,
                                usd_per_hour=(price or {}).get("usd_per_hour"), unit=unit)
     figures["price_source"] = (price or {}).get("source")
-    load = ({"listeners": list(levels), "duration_s": duration_s, "spread_s": SPREAD_S, "client": client}
+    load = ({"listeners": list(levels), "duration_s": duration_s, "spread_s": min(mix.mean_seconds, duration_s),
+             "client": client}
             if closed else {"streams": list(levels), "duration_s": duration_s, "arrivals": arrivals})
     return {
         "kind": "capacity", "population": population, "target": str(target), "device": device, "server": server,

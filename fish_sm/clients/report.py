@@ -247,7 +247,7 @@ def population_line(report: dict) -> str:
     if _closed(report):
         return ("closed loop: each listener asks again as soon as its answer has played "
                 f"({settings.get('client', 'threads')} client; first requests spread over "
-                f"{settings.get('spread_s', 1.0):g} s; {settings.get('duration_s', 0):g} s of asking a level)")
+                f"{settings.get('spread_s', 1.0):.1f} s; {settings.get('duration_s', 0):g} s of asking a level)")
     return (f"open loop: {settings.get('arrivals', 'poisson')} arrivals at streams / mean audio seconds a second "
             f"({settings.get('duration_s', 0):g} s of arrivals a level)")
 

@@ -247,7 +247,7 @@ class BatchEngine:
         on_stream = torch.cuda.stream(self.decode_stream) if self.decode_stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), on_stream:
             while True:
-                began = time.perf_counter()
+                began = self.stats.clocks()
                 schedule = self._schedule(pending)
                 if schedule is None:
                     break
@@ -255,7 +255,7 @@ class BatchEngine:
                     first, step = self._execute(schedule)
                     self._update(pending + first)  # while `step` runs on the GPU
                     pending = step
-                    self.stats.step(bool(step), time.perf_counter() - began)
+                    self.stats.step(bool(step), began)
                     if self.runner.capturing:
                         self.runner.capture_next()  # one graph between two steps
                     elif not step and not first:
@@ -280,9 +280,9 @@ class BatchEngine:
             while self._running and not self.scheduler.has_work() and not pending:
                 if self.runner.capturing:
                     break  # idle: capture the next graph (below, after an empty step)
-                waited = time.perf_counter()
+                waited = self.stats.clocks()
                 self._lock.wait()
-                self.stats.waited(time.perf_counter() - waited)
+                self.stats.waited(waited)
             if not self._running:
                 return None
             if not self._codec.alive():
@@ -320,9 +320,9 @@ class BatchEngine:
         to the codec in one message, then each request whose chunk ended is handled (a
         session's sentence end, a request complete)."""
         for rows in steps:
-            waited = time.perf_counter()
+            waited = self.stats.clocks()
             frames = rows.frames()  # the one wait for the GPU an iteration has
-            self.stats.waited(time.perf_counter() - waited)
+            self.stats.waited(waited)
             checked = self.scheduler.check(rows, frames)
             if checked.lanes.size:
                 self._codec.frames(checked.lanes, checked.codes)
@@ -387,22 +387,32 @@ class BatchEngine:
 
 class StepStats:
     """The engine thread's iterations: how many decoded, their wall time, and the part of it
-    spent waiting (for the GPU's frames, or for work): the rest is host time, Python and launches."""
+    spent waiting (for the GPU's frames, or for work): the rest is host time. Of the host time,
+    `cpu_s` is the thread's own CPU time (Python and launches); what is left is time it was ready
+    to run but did not (waiting for the GIL, which the codec thread shares)."""
 
     def __init__(self):
         self.steps = 0
         self.iterations = 0
-        self.wall_s = 0.0
-        self.wait_s = 0.0
+        self.wall_s = self.wait_s = self.cpu_s = self.wait_cpu_s = 0.0
 
-    def step(self, decoded: bool, wall_s: float) -> None:
+    @staticmethod
+    def clocks() -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
+
+    def step(self, decoded: bool, began: tuple[float, float]) -> None:
+        wall, cpu = self.clocks()
         self.iterations += 1
         self.steps += decoded
-        self.wall_s += wall_s
+        self.wall_s += wall - began[0]
+        self.cpu_s += cpu - began[1]
 
-    def waited(self, seconds: float) -> None:
-        self.wait_s += seconds
+    def waited(self, began: tuple[float, float]) -> None:
+        """A wait inside an iteration (the CPU it took, a driver's spin, is not host work either)."""
+        wall, cpu = self.clocks()
+        self.wait_s += wall - began[0]
+        self.wait_cpu_s += cpu - began[1]
 
     def snapshot(self) -> dict:
         return {"steps": self.steps, "iterations": self.iterations, "wall_s": self.wall_s, "wait_s": self.wait_s,
-                "host_s": self.wall_s - self.wait_s}
+                "host_s": self.wall_s - self.wait_s, "host_cpu_s": self.cpu_s - self.wait_cpu_s}
