@@ -43,7 +43,6 @@ class Request:
     chunks: list[str]
     generator: object  # its random stream (a torch.Generator the runner makes and draws from)
     slot: int = -1
-    generation: int = 0  # its slot's generation (`SlotTable.generation`) while it holds the slot
     lane: int = -1  # its stream's lane in the codec worker
     adapter_slot: int = 0  # the slot of its LoRA adapter, held while it is active (0: none)
     chunk: int = -1  # index into chunks; -1 before the first prefill
@@ -250,9 +249,8 @@ class Scheduler:
             request = Request(ticket, chunks, generator, adapter_slot=adapter_slot)
             request.slot = heapq.heappop(self._free)
             seed = generator.initial_seed() if hasattr(generator, "initial_seed") else 0
-            request.generation = self.table.admit(request.slot, stream=ticket.job.stream, session=session,
-                                                  chunks=len(chunks), seed=seed, adapter=adapter_slot, lane=-1,
-                                                  now=self.clock())
+            self.table.admit(request.slot, stream=ticket.job.stream, session=session, chunks=len(chunks), seed=seed,
+                             adapter=adapter_slot, now=self.clock())
             self.requests[request.slot] = request
             ticket.request = request
             if session and ticket.closed:

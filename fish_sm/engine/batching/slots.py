@@ -43,18 +43,17 @@ class SlotTable:
         # codes become the next chunk's prompt and the request's spoken codes when it ends.
         self.codes = np.zeros((slots, codebooks, max_frames), np.int16)
 
-    def admit(self, slot: int, *, stream: bool, session: bool, chunks: int, seed: int, adapter: int, lane: int,
-              now: float) -> int:
-        """A request takes the slot; returns the slot's new generation."""
+    def admit(self, slot: int, *, stream: bool, session: bool, chunks: int, seed: int, adapter: int,
+              now: float) -> None:
+        """A request takes the slot (its codec lane is set when the engine opens its stream)."""
         self.active[slot], self.stream[slot], self.session[slot] = True, stream, session
         self.cancelled[slot], self.finished_chunk[slot] = False, True
         self.chunk[slot], self.chunks[slot] = -1, chunks
         self.length[slot] = self.computed[slot] = self.max_new[slot] = self.frames[slot] = 0
         self.playing[slot], self.last_turn[slot] = np.nan, now
         self.seed[slot], self.draws[slot] = np.uint64(seed), 0
-        self.adapter[slot], self.lane[slot] = adapter, lane
+        self.adapter[slot], self.lane[slot] = adapter, -1
         self.generation[slot] += 1
-        return int(self.generation[slot])
 
     def free(self, slot: int) -> None:
         self.active[slot], self.finished_chunk[slot], self.adapter[slot], self.lane[slot] = False, True, 0, -1
