@@ -28,7 +28,8 @@ DEFAULT_STREAMS = "8,16,32,64,128,256,512,1024"
               help="Seconds of arrivals (closed loop: of asking) per level; its answers are then awaited.")
 @click.option("--arrivals", type=click.Choice(["poisson", "fixed"]), default="poisson", show_default=True,
               help="Open-loop arrivals at streams / mean audio seconds a second: Poisson or evenly spaced.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the arrivals (or the listeners' first requests) and the mix.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seeds the arrivals (or the listeners' first requests) and the mix.")
 @click.option("--slo-first-audio-ms", type=float, default=500.0, show_default=True,
               help="A level passes when its streams' p99 time to first audio is at most this ...")
 @click.option("--slo-underrun", type=click.FloatRange(0, 1), default=0.001, show_default=True,

@@ -328,8 +328,9 @@ class Population:
     """A closed-loop level: `listeners` listeners, each asking (a request drawn from the mix), playing
     the answer at real time from its first audio, and asking again as soon as it has played
     (`played_at`). First requests are spread uniformly over the first `spread_s` seconds (default:
-    the mix's mean answer, the loop's steady pace from the start); nobody asks at or after `duration_s`. Seeded: a listener's k-th request is the same whatever the
-    timing (each listener draws from a generator of its own). Safe to share across threads."""
+    the mix's mean answer, the loop's steady pace from the start); nobody asks at or after
+    `duration_s`. Seeded: a listener's k-th request is the same whatever the timing (each
+    listener draws from a generator of its own). Safe to share across threads."""
 
     def __init__(self, mix: Mix, listeners: int, duration_s: float, seed: int = 0, spread_s: float | None = None):
         if listeners < 1:

@@ -50,7 +50,7 @@ from fish_sm.serving import bidi, ipc
 from fish_sm.serving.adapters import AdapterRegistry, adapter_label, resolve_adapters
 from fish_sm.serving.config import ServerConfig, check_model_dir
 from fish_sm.serving.cores import CoreRequest, EngineCore, Launch, StartFailure, launch_process
-from fish_sm.serving.errors import Busy, HTTPError, NoAudio, bad_request, start_up_failure
+from fish_sm.serving.errors import Busy, HTTPError, NoAudio, bad_request, start_up_failure, unknown_voice
 from fish_sm.serving.http import Limits, application, error_response, listening, read_body
 from fish_sm.serving.metrics import Metrics, RequestFigures
 from fish_sm.serving.references import reference_audio
@@ -226,7 +226,7 @@ class BatchingApp:
         except InputError as exc:
             raise bad_request(str(exc)) from None
         if tts.voice is not None and tts.voice not in self.voices:
-            raise bad_request(f"unknown voice {tts.voice!r}; packaged voices: {', '.join(sorted(self.voices)) or 'none'}")
+            raise unknown_voice(tts.voice, self.voices)
         reference = None
         if tts.reference is not None:
             loop = asyncio.get_running_loop()

@@ -37,7 +37,7 @@ import zmq
 from fish_sm.contract import SamplingParams
 from fish_sm.errors import AdapterError, InputError
 from fish_sm.serving import ipc
-from fish_sm.serving.errors import Busy, HTTPError, engine_error, start_up_failure
+from fish_sm.serving.errors import Busy, HTTPError, engine_error, start_up_failure, unknown_voice
 from fish_sm.settings import Settings
 
 logger = logging.getLogger("fish_sm.serving")
@@ -288,8 +288,7 @@ class Core:
         if job.voice is not None:
             voice = self.model.voices.get(job.voice)
             if voice is None:
-                self._finish(command.id, HTTPError(400, f"unknown voice {job.voice!r}; packaged voices: "
-                                                        f"{', '.join(sorted(self.model.voices)) or 'none'}"))
+                self._finish(command.id, unknown_voice(job.voice, self.model.voices))
                 return
         else:
             voice = self.model.voices.get(self.settings.default_voice)
@@ -460,8 +459,9 @@ class Core:
                 return None
             with self._lock:
                 held = self._held.pop(item[0], None)
-            return None if held is None else (self._failed(item[0], HTTPError(500, "internal error; see the server log"),
-                                                           held), None)
+            if held is None:
+                return None
+            return self._failed(item[0], HTTPError(500, "internal error; see the server log"), held), None
 
     def _event(self, item) -> tuple[ipc.Event, np.ndarray | None] | None:
         """An outbox item as the event to send: ours as they are, the engine's (id, (kind, payload))
@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(args.parent)
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
-    core = Core(args.model_dir, args.device, ipc.CoreAddresses(args.commands, args.events), settings, parent=args.parent)
+    addresses = ipc.CoreAddresses(args.commands, args.events)
+    core = Core(args.model_dir, args.device, addresses, settings, parent=args.parent)
     return core.run()
 
 

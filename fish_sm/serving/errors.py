@@ -26,6 +26,11 @@ def bad_request(message: str) -> HTTPError:
     return HTTPError(400, message)
 
 
+def unknown_voice(name: str, known) -> HTTPError:
+    """A 400 for a voice the package does not have, naming those it has."""
+    return bad_request(f"unknown voice {name!r}; packaged voices: {', '.join(sorted(known)) or 'none'}")
+
+
 class Busy(HTTPError):
     """A 503 to retry after `retry_after_s` (a Retry-After header where the server can send one)."""
 

@@ -26,7 +26,7 @@ from fish_sm.package.voices import load_voices
 from fish_sm.serving import adapters
 from fish_sm.serving.adapters import AdapterRegistry
 from fish_sm.serving.compile_cache import CompileCache
-from fish_sm.serving.errors import HTTPError, NoAudio, bad_request, engine_error
+from fish_sm.serving.errors import HTTPError, NoAudio, engine_error, unknown_voice
 from fish_sm.serving.references import reference_audio
 from fish_sm.serving.response import Prediction
 from fish_sm.settings import Settings
@@ -170,8 +170,7 @@ def resolve_reference(model: ServingModel, request: TTSRequest) -> Reference | N
     """The request's voice: a packaged one, a zero-shot recording (encoded, cached), or the default."""
     if request.voice is not None:
         if request.voice not in model.voices:
-            known = ", ".join(sorted(model.voices)) or "none"
-            raise bad_request(f"unknown voice {request.voice!r}; packaged voices: {known}")
+            raise unknown_voice(request.voice, model.voices)
         return model.voices[request.voice]
     if request.reference is None:
         return model.voices.get(model.settings.default_voice)

@@ -256,7 +256,8 @@ class ModelRunner:
             torch._foreach_copy_(cache_rows(caches, slot, kv[0].shape[1]), kv)
         return kv[0].shape[1]
 
-    def prefill(self, ready: list[tuple[Request, Tensor, int]]) -> tuple[list[StepRows], list[tuple[Request, Exception]]]:
+    def prefill(self, ready: list[tuple[Request, Tensor, int]]
+                ) -> tuple[list[StepRows], list[tuple[Request, Exception]]]:
         """Prefill each (request, prompt, start)'s prompt from `start` into its slot and sample
         its first frame: the prompts padded into batches of at most `PREFILL_TOKENS`, each one
         prefill and one first-frame replay. Returns the first frames, and the requests that
