@@ -14,7 +14,9 @@ benchmarks/engine.py runs them) is run up to three times on one compiled engine 
 3. hook: the host time of the engine thread's and the codec thread's calls, per decode step,
    from a profile hook on those threads (`threading.setprofile`: nothing in fish_sm is
    replaced; each call's time includes what it calls, and the hook slows the Python it
-   watches, so compare this run's frames/s with the plain one's).
+   watches, so compare this run's frames/s with the plain one's);
+4. ops: torch.profiler's CPU view of the same threads: per step, the CPU time of the torch ops
+   and CUDA runtime calls each thread made, and those that took most of it.
 
     python benchmarks/batching_profile.py CHECKPOINT [--streams 32] [--frames 200] [--rounds 1,6]
         [--modes bf16] [--max-seq-len 2048] [--runs plain,cuda,hook] [--out DIR]
@@ -180,6 +182,44 @@ def gpu_summary(prof, steps: int) -> dict:
     return out
 
 
+def ops_summary(prof, threads: dict[int, str], steps: int, top: int = 12) -> dict:
+    """Per thread of the engine (by native id): ms per step inside torch ops and inside CUDA
+    runtime calls (each the union of its events' intervals), and the ops and calls that took
+    most of it (inclusive times, and calls per step)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+    spans = collections.defaultdict(list)
+    by_name = collections.defaultdict(lambda: [0.0, 0])
+    for e in trace:
+        thread = threads.get(e.get("tid"))
+        if thread is None or e.get("ph") != "X" or "dur" not in e:
+            continue
+        kind = "runtime" if e.get("cat") in ("cuda_runtime", "cuda_driver") else "op"
+        spans[(thread, kind)].append((e["ts"], e["ts"] + e["dur"]))
+        entry = by_name[(thread, kind, e["name"])]
+        entry[0] += e["dur"]
+        entry[1] += 1
+    per = max(steps, 1)
+    out = {}
+    for thread in threads.values():
+        record = out[thread] = {}
+        for kind in ("op", "runtime"):
+            merged = []
+            for lo, hi in sorted(spans[(thread, kind)]):
+                if merged and lo <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], hi)
+                else:
+                    merged.append([lo, hi])
+            record[f"{kind}_ms_per_step"] = round(sum(hi - lo for lo, hi in merged) / 1e3 / per, 3)
+            named = sorted(((name, v) for (t, k, name), v in by_name.items() if t == thread and k == kind),
+                           key=lambda kv: -kv[1][0])[:top]
+            record[f"top_{kind}s"] = {name: [round(us / 1e3 / per, 4), round(calls / per, 2)] for name, (us, calls) in named}
+    return out
+
+
 def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) -> dict:
     """One level on a started-afresh engine (its threads start inside the hook's block); `run`
     is plain, cuda (a CUDA profile) or hook (the profile hook and a CUDA profile)."""
@@ -192,15 +232,24 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
         batcher.submit(Job(BATCH_TEXTS[0], params=SamplingParams(seed=0, max_new_tokens=8))).result()  # warm-up
         if timer is not None:
             timer.seconds.clear(), timer.calls.clear()
-        if run != "plain" and torch.cuda.is_available():
+        if run == "ops":  # every op's and CUDA call's CPU time, by thread
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            prof = torch.profiler.profile(activities=activities, experimental_config=every_thread)
+            prof.__enter__()
+        elif run != "plain" and torch.cuda.is_available():
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
-        before = batcher.stats.snapshot()
+        before, prefills = batcher.stats.snapshot(), collections.Counter(batcher.runner.prefills)
         level = batching_level(batcher, n, frames, True, rounds)
         after = batcher.stats.snapshot()
         if prof is not None:
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             prof.__exit__(None, None, None)
+        threads = {batcher._thread.native_id: ENGINE_THREAD, batcher._codec._thread.native_id: CODEC_THREAD}
     steps = after["steps"] - before["steps"]
     per_step = {k: (after[k] - before[k]) * 1e3 / max(steps, 1) for k in ("wall_s", "wait_s", "host_s", "host_cpu_s")}
     record = {"run": run, "streams": n, "rounds": rounds,
@@ -214,12 +263,19 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
               "iteration_ms_per_step": per_step["wall_s"], "host_ms_per_step": per_step["host_s"],
               "host_cpu_ms_per_step": per_step["host_cpu_s"],
               "gpu_wait_ms_per_step": per_step["wait_s"],
+              "host_ms_per_step_by_phase": {k: round((after["phases_s"][k] - before["phases_s"][k]) * 1e3 / max(steps, 1), 3)
+                                            for k in after["phases_s"]},
               "rows_per_step": level["aggregate_decode_frames_per_s"] * level["decode_span_s"] / max(steps, 1)}
     if timer is not None:
         record["hook_ms_per_step"] = {f"{thread}: {label}": round(s * 1e3 / max(steps, 1), 3)
                                       for (thread, label), s in sorted(timer.seconds.items())}
         record["calls"] = {f"{thread}: {label}": c for (thread, label), c in sorted(timer.calls.items())}
-    if prof is not None:
+    # How this level's admissions ran: captured, compiled (a padded shape without a graph), continued.
+    record["prefills"] = {" ".join(map(str, k)) if isinstance(k, tuple) else k: v
+                          for k, v in (batcher.runner.prefills - prefills).items()}
+    if prof is not None and run == "ops":
+        record["ops"] = ops_summary(prof, threads, steps)
+    elif prof is not None:
         record["gpu"] = gpu_summary(prof, steps)
         busy = record["gpu"].get("decode_busy_ms_per_step")
         if busy:
@@ -239,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request")
     p.add_argument("--device", default="auto")
     p.add_argument("--runs", default="plain,cuda,hook",
-                   help="runs of each level: plain, cuda (a CUDA profile), hook (Python profile hook + CUDA profile)")
+                   help="runs of each level: plain, cuda (a CUDA profile), hook (Python profile hook + CUDA profile), "
+                        "ops (CPU time of ops and CUDA calls)")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where batching_profile.json goes")
     a = p.parse_args(argv)
     streams = [int(s) for s in a.streams.split(",")]

@@ -19,6 +19,7 @@ import time
 from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -413,6 +414,49 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostStaging:
+    """Host arrays to the GPU in one asynchronous copy, through pinned buffers kept for good (a
+    ring of `depth`, each reused once the copy that last read it is done): a step's inputs
+    without pinning memory per copy (a pinned block of the caching host allocator comes back
+    only after its copy ran, so a busy GPU makes it allocate anew). On the CPU the arrays are
+    used as they are. Arrays that do not fit go through `to_device`."""
+
+    ALIGN = 16  # bytes: each array starts aligned, as Triton's kernels are specialised for
+
+    def __init__(self, device: torch.device, nbytes: int, depth: int = 4):
+        self.device, self.nbytes = device, nbytes
+        self.cuda = device.type == "cuda"
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)] if self.cuda else []
+        self.copied: list[torch.cuda.Event | None] = [None] * depth
+        self.turn = 0
+
+    def copy(self, *arrays: np.ndarray) -> list[Tensor]:
+        """The arrays on the device (views of one buffer), in order; queued on the current stream."""
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        if not self.cuda:
+            return [torch.from_numpy(a) for a in arrays]
+        offsets, end = [], 0
+        for a in arrays:
+            offsets.append(end)
+            end += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        if end > self.nbytes:
+            return [to_device(torch.from_numpy(a), self.device) for a in arrays]
+        i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()  # (a copy queued `depth` calls ago: done long since)
+        host = self.buffers[i].numpy()
+        for a, at in zip(arrays, offsets):
+            host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        device = torch.empty(end, dtype=torch.uint8, device=self.device)
+        device.copy_(self.buffers[i][:end], non_blocking=True)
+        self.copied[i] = torch.cuda.Event()
+        self.copied[i].record()
+        return [device[at : at + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, at in zip(arrays, offsets)]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32}
 
 
 class HostCopy:

@@ -12,7 +12,7 @@ from botocore.stub import Stubber
 
 from fish_sm.aws import deploy as d
 from fish_sm.aws.autoscaling import CAPACITY_HEADROOM, default_target, make_autoscaling
-from fish_sm.aws.capacity import H100_STREAMS_PER_GPU, measured_capacity
+from fish_sm.aws.capacity import H100_STREAMS_PER_GPU, H200_STREAMS_PER_GPU, measured_capacity
 from fish_sm.aws.deploy_request import DeployRequest
 from fish_sm.aws.instances import GPUs, instance_hardware
 from fish_sm.aws.s3 import parse_s3_uri
@@ -41,6 +41,7 @@ def test_ec2_names_the_gpu_model_and_count(tmp_path_factory):
 
 def test_default_target_per_gpu_model():
     assert measured_capacity("h100").streams_per_gpu == H100_STREAMS_PER_GPU and measured_capacity("A10G") is None
+    assert measured_capacity("H200").streams_per_gpu == H200_STREAMS_PER_GPU
     # Measured: 70% of the requests in flight at capacity (slots by memory), at most FISH_SM_MAX_BATCH when set.
     value, why = default_target("concurrency", gpus=8, gpu_model="H100")
     assert value == pytest.approx(8 * H100_STREAMS_PER_GPU * CAPACITY_HEADROOM)

@@ -9,7 +9,7 @@ import torch
 from fish_sm.engine import Engine
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job, Overloaded, Ticket, batch_sizes
 from fish_sm.engine.batching.runner import ModelRunner
-from fish_sm.engine.generate import HostCopy, admission_shape, to_device
+from fish_sm.engine.generate import HostCopy, HostStaging, admission_shape, to_device
 from fish_sm.engine.sampling import SamplingParams
 from fish_sm.errors import InputError
 
@@ -249,6 +249,11 @@ def test_prompts_beyond_one_prefill_are_split(tiny_checkpoint, solo, monkeypatch
     jobs = [Job(text, params=SamplingParams(seed=i, max_new_tokens=12)) for i, text in enumerate(TEXTS)]
     groups = runner._prefill_groups([(None, torch.zeros(11, n), 0) for n in (10, 12, 20, 30)])
     assert [len(g) for g in groups] == [2, 1, 1]
+    # Bounded by the captured shapes they pad to, a burst goes as groups that graphs take.
+    monkeypatch.setattr(runner, "PREFILL_TOKENS", 4096)
+    burst = runner._prefill_groups([(None, torch.zeros(11, 39), 0)] * 100,
+                                   lambda b, w: admission_shape(b, w, 512, 2048))
+    assert [len(g) for g in burst] == [64, 36]
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
     with batcher:
         with batcher._lock:
@@ -462,6 +467,31 @@ def test_host_copies_both_ways_keep_values_and_use_pinned_memory(device):
     assert on.device.type == device and torch.equal(on.cpu(), x)
     assert torch.equal(back.get(), x * 2)
     assert back.get().is_pinned() == (device == "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_staged_copies_keep_every_array_through_the_ring(device):
+    """A step's arrays go to the GPU as one copy through a ring of pinned buffers: each array
+    arrives whole, aligned, with its dtype and shape, also after the ring has wrapped (and one
+    too large for the buffers goes on its own)."""
+    staging = HostStaging(torch.device(device), nbytes=1024, depth=2)
+    rng = np.random.default_rng(0)
+    for turn in range(5):
+        ints = rng.integers(-2**62, 2**62, (5, 7 + turn))
+        floats = rng.standard_normal((3, 7 + turn, 1)).astype(np.float32)
+        small = np.arange(3)
+        a, b, c = staging.copy(ints, floats, small)
+        assert [t.device.type for t in (a, b, c)] == [device] * 3
+        assert a.dtype == torch.int64 and b.dtype == torch.float32 and b.shape == (3, 7 + turn, 1)
+        if device == "cuda":
+            assert all(t.data_ptr() % HostStaging.ALIGN == 0 for t in (a, b, c))
+        np.testing.assert_array_equal(a.cpu().numpy(), ints)
+        np.testing.assert_array_equal(b.cpu().numpy(), floats)
+        np.testing.assert_array_equal(c.cpu().numpy(), small)
+    big = np.arange(1000)
+    (out,) = staging.copy(big)
+    np.testing.assert_array_equal(out.cpu().numpy(), big)
 
 
 SENTENCES = ["The first sentence is here.", "A second one follows it now.", "And the third ends it all."]

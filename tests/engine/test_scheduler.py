@@ -10,6 +10,7 @@ import numpy as np
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.batching.request import Job, Session, Ticket
 from fish_sm.engine.batching.scheduler import Scheduler, StepRows
+from fish_sm.engine.batching.slots import round_bf16
 
 IM_END = 99
 RATE = 20.0  # frames a second of audio
@@ -244,6 +245,25 @@ class Reference:
             last = deliver and rows.index[i] + 1 >= t.max_new[slot]
             out.append((int(slot), deliver, bool(end or last), deliver and math.isnan(t.playing[slot])))
         return out
+
+
+def test_a_slot_keeps_its_sampling_parameters_rounded_as_the_model_rounds_them():
+    """The table holds each request's temperature, top_p and penalty as bf16 values (what the
+    sequential engine's tensors hold), and a freed slot's go back to 1 (padding rows read them)."""
+    import torch
+
+    values = np.concatenate([np.random.default_rng(0).uniform(0, 4, 50_000), [0.7, 0.8, 1.1, 1e-30, 3.0e38]])
+    values = values.astype(np.float32)
+    np.testing.assert_array_equal(round_bf16(values), torch.from_numpy(values).to(torch.bfloat16).float().numpy())
+    clock = Clock()
+    s = scheduler(clock)
+    s.add(Ticket(Job("Hello there.", params=SamplingParams(seed=1, temperature=0.7, top_p=0.8, repetition_penalty=1.1))))
+    (request,) = s.schedule().admitted
+    expected = torch.tensor([0.7, 0.8, 1.1]).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(s.table.sampling[:, request.slot], expected)
+    slot = request.slot
+    s.retire(request)
+    np.testing.assert_array_equal(s.table.sampling[:, slot], [1, 1, 1])
 
 
 def test_array_decisions_equal_the_per_request_rules_over_random_histories():

@@ -253,7 +253,9 @@ class BatchEngine:
                     break
                 try:
                     first, step = self._execute(schedule)
+                    at = time.perf_counter()
                     self._update(pending + first)  # while `step` runs on the GPU
+                    self.stats.lap("update", at)
                     pending = step
                     self.stats.step(bool(step), began)
                     if self.runner.capturing:
@@ -289,7 +291,9 @@ class BatchEngine:
                 raise EngineStopped("the codec worker has stopped")
             for request in self.scheduler.take_cancelled():
                 self._retire(request)
+            at = time.perf_counter()
             schedule = self.scheduler.schedule()
+            self.stats.lap("schedule", at)
         for ticket, exc in schedule.refused:
             ticket.emit("error", exc)
         return schedule
@@ -307,12 +311,16 @@ class BatchEngine:
         their slots, the prefills of the chunks that start (with their first frames), then one
         decode step for every slot that wants a frame. Returns the first frames and the step's
         frames, both still on their way to the host."""
+        at = time.perf_counter()
         for request in schedule.admitted:
             self._admit(request)
+        at = self.stats.lap("admit", at)
         first = self._start_chunks(schedule.starting)
+        at = self.stats.lap("prefill", at)
         slots = self.scheduler.decoding()
         step = self.runner.decode(slots)
         self.scheduler.advance(slots)
+        self.stats.lap("step", at)
         return first, step
 
     def _update(self, steps: list[StepRows]) -> None:
@@ -322,7 +330,7 @@ class BatchEngine:
         for rows in steps:
             waited = self.stats.clocks()
             frames = rows.frames()  # the one wait for the GPU an iteration has
-            self.stats.waited(waited)
+            self.stats.waited(waited, gpu=True)
             checked = self.scheduler.check(rows, frames)
             if checked.lanes.size:
                 self._codec.frames(checked.lanes, checked.codes)
@@ -341,7 +349,6 @@ class BatchEngine:
         request.ticket.emit("admitted", None)
         request.lane = self.scheduler.table.lane[request.slot] = self._codec.lanes.take()
         self._codec.open(request.lane, request.ticket)
-        self.runner.set_sampling(request.slot, request.params)
 
     def _start_chunks(self, requests: list[Request]) -> list[StepRows]:
         """Prefill each request's next chunk into its slot and sample that chunk's first frame
@@ -391,10 +398,17 @@ class StepStats:
     `cpu_s` is the thread's own CPU time (Python and launches); what is left is time it was ready
     to run but did not (waiting for the GIL, which the codec thread shares)."""
 
+    PHASES = ("schedule", "admit", "prefill", "step", "update")
+
     def __init__(self):
         self.steps = 0
         self.iterations = 0
-        self.wall_s = self.wait_s = self.cpu_s = self.wait_cpu_s = 0.0
+        self.wall_s = self.wait_s = self.cpu_s = self.wait_cpu_s = self.gpu_wait_s = 0.0
+        # Wall seconds by phase of an iteration: the scheduler's decisions, admissions (their
+        # sampling parameters and codec streams), prefills with first frames, the decode step
+        # queued (with `decoding` and `advance`), and stop checks with the codec's hand-off (less
+        # the wait for the GPU's frames, `gpu_wait_s`).
+        self.phase_s = dict.fromkeys(self.PHASES, 0.0)
 
     @staticmethod
     def clocks() -> tuple[float, float]:
@@ -407,12 +421,23 @@ class StepStats:
         self.wall_s += wall - began[0]
         self.cpu_s += cpu - began[1]
 
-    def waited(self, began: tuple[float, float]) -> None:
-        """A wait inside an iteration (the CPU it took, a driver's spin, is not host work either)."""
+    def waited(self, began: tuple[float, float], gpu: bool = False) -> None:
+        """A wait inside an iteration (the CPU it took, a driver's spin, is not host work either):
+        for work, or (`gpu`) for a step's frames."""
         wall, cpu = self.clocks()
         self.wait_s += wall - began[0]
         self.wait_cpu_s += cpu - began[1]
+        if gpu:
+            self.gpu_wait_s += wall - began[0]
+
+    def lap(self, phase: str, since: float) -> float:
+        """Count the wall time from `since` to now to `phase`; returns now."""
+        now = time.perf_counter()
+        self.phase_s[phase] += now - since
+        return now
 
     def snapshot(self) -> dict:
+        phases = dict(self.phase_s, update=self.phase_s["update"] - self.gpu_wait_s)
         return {"steps": self.steps, "iterations": self.iterations, "wall_s": self.wall_s, "wait_s": self.wait_s,
-                "host_s": self.wall_s - self.wait_s, "host_cpu_s": self.cpu_s - self.wait_cpu_s}
+                "host_s": self.wall_s - self.wait_s, "host_cpu_s": self.cpu_s - self.wait_cpu_s,
+                "phases_s": phases}

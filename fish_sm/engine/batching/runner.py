@@ -15,6 +15,7 @@ request with a packaged voice prefills only its own text."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import time
@@ -27,12 +28,11 @@ from torch import Tensor
 
 from fish_sm import kernels
 from fish_sm.engine.engine import Engine, request_generator
-from fish_sm.engine.generate import (GraphedStep, HostCopy, admission_shape, admission_shapes, attention_bucket,
-                                     batch_sizes, decode_frame, frame_budget, length_buckets, noise_size, sample_frame,
-                                     to_device)
+from fish_sm.engine.generate import (GraphedStep, HostCopy, HostStaging, admission_shape, admission_shapes,
+                                     attention_bucket, batch_sizes, decode_frame, frame_budget, length_buckets,
+                                     noise_size, sample_frame, to_device)
 from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
-from fish_sm.contract import SamplingParams
-from fish_sm.engine.sampling import PENALTY_WINDOW, sampling_tensors
+from fish_sm.engine.sampling import PENALTY_WINDOW
 from fish_sm.kernels import exponential_noise
 from fish_sm.errors import FishSMError
 from fish_sm.model.dual_ar import cache_rows
@@ -77,7 +77,11 @@ class ModelRunner:
         cache_rows = self.slots + 1
         self.current = torch.zeros(cache_rows, self.rows, dtype=torch.long, device=dev)  # each slot's last frame
         self.history = torch.zeros(cache_rows, self.rows, self.max_seq_len + PENALTY_WINDOW, dtype=torch.long, device=dev)
-        self.sampling = torch.ones(3, cache_rows, 1, device=dev)  # temperature, top_p, penalty per slot
+        # A step's or an admission's inputs go to the GPU in one copy (the largest: a prefill's
+        # padded tokens with their positions, rows and last positions).
+        self.staging = HostStaging(dev, PREFILL_TOKENS * (self.rows + 1) * 8 + 4 * (self.slots + 1) * 8 + 256)
+        # How admissions ran: "captured", "compiled" (a shape no graph has), "continued" (after a prefix).
+        self.prefills: collections.Counter = collections.Counter()
         self.noise = torch.ones(self.slots, noise_size(model), device=dev)  # per row of a step
         self.codebook_rows = torch.arange(self.rows, device=dev)
         # On CUDA a step's noise is one kernel keyed by each request's seed and frame number
@@ -216,9 +220,6 @@ class ModelRunner:
         """A request's random stream (raises for a seed it cannot take)."""
         return request_generator(self.device, seed)
 
-    def set_sampling(self, slot: int, params: SamplingParams) -> None:
-        self.sampling[:, slot] = to_device(torch.stack(sampling_tensors(params, "cpu")).view(3, 1), self.device)
-
     def prepare_chunk(self, request: Request) -> tuple[Tensor, int, int]:
         """The prompt of the request's current chunk, how many frames may follow it, and how
         many of its positions a reused prefix has put into the request's slot. Raises
@@ -264,7 +265,7 @@ class ModelRunner:
         ran out of memory on their own, with the error."""
         steps, failed = [], []
         ready.sort(key=lambda item: (item[2] > 0, item[1].shape[1] - item[2]))  # from position 0 first, shortest first
-        groups = _prefill_groups(ready, self._admission_shape)
+        groups = _prefill_groups(ready, self._group_shape)
         while groups:
             group = groups.pop(0)
             try:
@@ -276,6 +277,14 @@ class ModelRunner:
                 else:
                     failed.append((group[0][0], exc))
         return steps, failed
+
+    def _group_shape(self, batch: int, width: int) -> tuple[int, int]:
+        """The shape a group of prompts from position 0 is bounded by: with captured admissions,
+        the captured shape it pads to (whether or not captured yet), so that a burst is split
+        into groups that captured admissions take, not run as one large shape no graph has."""
+        if self.captured is None or not self.captured.admissions:
+            return batch, width
+        return admission_shape(batch, width, self.slots, self.max_seq_len)
 
     def _admission_shape(self, batch: int, width: int) -> tuple[int, int]:
         """The (batch, width) prompts from position 0 are padded to: a captured admission's on CUDA."""
@@ -297,22 +306,30 @@ class ModelRunner:
         batch, width = self._admission_shape(len(group), width) if not any(starts) else (len(group), width)
         rests += rests[:1] * (batch - len(group))
         starts += starts[:1] * (batch - len(group))
-        tokens = torch.stack([torch.cat([rest, rest[:, -1:].expand(-1, width - rest.shape[1])], dim=1) for rest in rests])
-        positions = (torch.tensor(starts)[:, None] + torch.arange(width)).clamp(max=self.max_seq_len - 1)
-        rows = torch.tensor([r.slot for r, _, _ in group] + [group[0][0].slot] * (batch - len(group)))
-        last = torch.tensor([rest.shape[1] - 1 for rest in rests])
-        return (*(to_device(t, self.device) for t in (tokens, positions, rows, last)),
-                max(prompt.shape[1] for _, prompt, _ in group), not any(starts))
+        tokens = np.empty((batch, self.rows, width), np.int64)
+        for i, rest in enumerate(rests):
+            n = rest.shape[1]
+            tokens[i, :, :n] = rest.numpy()
+            tokens[i, :, n:] = tokens[i, :, n - 1 : n]
+        positions = np.minimum(np.array(starts)[:, None] + np.arange(width), self.max_seq_len - 1)
+        rows = np.array([r.slot for r, _, _ in group] + [group[0][0].slot] * (batch - len(group)))
+        last = np.array([rest.shape[1] - 1 for rest in rests])
+        return (*self.staging.copy(tokens, positions, rows, last), max(prompt.shape[1] for _, prompt, _ in group),
+                not any(starts))
 
     def _admission(self, tokens: Tensor, positions: Tensor, rows: Tensor, last: Tensor, live: int, from_zero: bool,
                    captured: bool = True):
         """The slow transformer over padded prompts: a captured admission's replay where
         there is one (prompts from position 0), else the compiled layers (eagerly on CPU)
         attending over the `live` slots in use; from position 0, causally over their own."""
-        if captured and from_zero and self.captured is not None and (tokens.shape[0], tokens.shape[-1]) in self.captured.admissions:
+        shape = (tokens.shape[0], tokens.shape[-1])
+        if captured and from_zero and self.captured is not None and shape in self.captured.admissions:
+            self.prefills["captured"] += 1
             return self.captured.admit(tokens, positions, rows, last)
         if from_zero:
+            self.prefills["compiled", *shape] += 1
             return self.model.forward_slow(tokens, positions, tokens.shape[-1], row=rows, last=last)
+        self.prefills["continued"] += 1
         return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
 
     def _prefill_batch(self, group: list[tuple[Request, Tensor, int]]) -> list[StepRows]:
@@ -325,15 +342,15 @@ class ModelRunner:
         self._use_adapters([r.adapter_slot for r in requests] + [requests[0].adapter_slot] * (inputs[0].shape[0] - len(group)))
         logits, hidden = self._admission(*inputs)
         logits, hidden = logits[: len(group)], hidden[: len(group)]
-        rows = to_device(torch.tensor([r.slot for r in requests]), dev)
-        # index_fill_, not `history[rows] = 0`, which waits for the GPU's queued work.
-        self.history.index_fill_(0, rows, 0)
-        temperature, top_p, penalty = self.sampling[:, rows]
         slots = np.array([r.slot for r in requests])
         for r in requests:
             self._settle_draws(r)
+        keys = self.table.next_keys(slots) if self.keyed_noise else np.zeros(len(slots), np.int64)
+        keys, rows, sampling = self.staging.copy(keys, slots, self.table.sampling[:, slots, None])
+        # index_fill_, not `history[rows] = 0`, which waits for the GPU's queued work.
+        self.history.index_fill_(0, rows, 0)
+        temperature, top_p, penalty = sampling
         if self.keyed_noise:
-            keys = to_device(torch.from_numpy(self.table.next_keys(slots)), dev)
             noise = exponential_noise(keys, torch.empty(len(requests), self.noise.shape[1], device=dev))
         else:
             noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
@@ -365,29 +382,32 @@ class ModelRunner:
         n, t = len(slots), self.table
         batch = n if self.captured is None else next(b for b in self.ready_sizes if b >= n)
         index = t.computed[slots] - 1  # which frame of the chunk it feeds (it samples the next)
-        inputs = np.zeros((5, batch), np.int64)
-        inputs[0] = self.scratch
-        inputs[0, :n] = slots
-        inputs[1, :n] = t.length[slots] + index  # where the last frame goes
-        inputs[2, :n] = index
+        # Keys first: the noise kernel then always reads an aligned buffer (one Triton specialisation).
+        inputs = np.zeros((5, batch), np.int64)  # noise key, cache row, position, frame index, adapter
+        inputs[1] = self.scratch
+        inputs[1, :n] = slots
+        inputs[2, :n] = t.length[slots] + index  # where the last frame goes
+        inputs[3, :n] = index
         inputs[4, :n] = t.adapter[slots]
+        sampling = np.ones((3, batch, 1), np.float32)  # padding rows: temperature, top_p, penalty 1
+        sampling[:, :n, 0] = t.sampling[:, slots]
         if self.keyed_noise:
-            inputs[3, :n] = t.next_keys(slots)
+            inputs[0, :n] = t.next_keys(slots)
         else:  # each request's generator draws its noise, as the sequential engine's does
             for i, slot in enumerate(slots):
                 self.noise[i].exponential_(1, generator=self.requests[slot].generator)
-        live = int(inputs[1, :n].max()) + 1
+        live = int(inputs[2, :n].max()) + 1
         key_pos = self.model.positions[: attention_bucket(self.max_seq_len, live)]
-        inputs = to_device(torch.from_numpy(inputs), self.device)
-        rows, input_pos, frame_index = inputs[0], inputs[1], inputs[2]
+        inputs, sampling = self.staging.copy(inputs, sampling)
+        keys, rows, input_pos, frame_index = inputs[0], inputs[1], inputs[2], inputs[3]
         if self.adapters is not None:
             self.adapters.slots.set_rows(inputs[4])
         if self.keyed_noise:
-            exponential_noise(inputs[3], self.noise[:batch])
+            exponential_noise(keys, self.noise[:batch])
         start = (frame_index - PENALTY_WINDOW).clamp(min=0)
         columns = (start[:, None] + self.window_offsets)[:, None, :].expand(batch, self.rows, PENALTY_WINDOW)
         window = self.history[rows[:, None, None], self.codebook_rows[None, :, None], columns]
-        temperature, top_p, penalty = self.sampling[:, rows]
+        temperature, top_p, penalty = sampling
         args = (self.model, self.current[rows], input_pos, window, self.noise[:batch], temperature, top_p, penalty)
         if self.captured is None:
             out = decode_frame(*args, key_pos=key_pos, rows=rows)

@@ -249,8 +249,10 @@ class Scheduler:
             request = Request(ticket, chunks, generator, adapter_slot=adapter_slot)
             request.slot = heapq.heappop(self._free)
             seed = generator.initial_seed() if hasattr(generator, "initial_seed") else 0
+            params = ticket.job.params
             self.table.admit(request.slot, stream=ticket.job.stream, session=session, chunks=len(chunks), seed=seed,
-                             adapter=adapter_slot, now=self.clock())
+                             adapter=adapter_slot, now=self.clock(),
+                             sampling=(params.temperature, params.top_p, params.repetition_penalty))
             self.requests[request.slot] = request
             ticket.request = request
             if session and ticket.closed:

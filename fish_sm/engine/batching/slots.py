@@ -37,6 +37,9 @@ class SlotTable:
         self.last_turn = np.zeros(slots)  # when it last had a frame queued
         self.seed = np.zeros(slots, np.uint64)  # its random stream's seed (`kernels.noise_key`)
         self.draws = np.zeros(slots, np.int64)  # frames of noise drawn so far
+        # Its sampling parameters, rounded to bf16 as the model's own values are: temperature,
+        # top_p, repetition penalty (a free slot's are 1, what padding rows of a step read).
+        self.sampling = np.ones((3, slots), np.float32)
         self.adapter = np.zeros(slots, np.int64)  # its LoRA adapter's slot (0: none)
         self.lane = np.full(slots, -1, np.int64)  # its stream's lane in the codec worker
         # This chunk's codes as they are checked, [slot, codebook, frame of the chunk]: a chunk's
@@ -44,8 +47,10 @@ class SlotTable:
         self.codes = np.zeros((slots, codebooks, max_frames), np.int16)
 
     def admit(self, slot: int, *, stream: bool, session: bool, chunks: int, seed: int, adapter: int,
-              now: float) -> None:
-        """A request takes the slot (its codec lane is set when the engine opens its stream)."""
+              now: float, sampling: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> None:
+        """A request takes the slot (its codec lane is set when the engine opens its stream);
+        `sampling`: its temperature, top_p and repetition penalty."""
+        self.sampling[:, slot] = round_bf16(np.asarray(sampling, np.float32))
         self.active[slot], self.stream[slot], self.session[slot] = True, stream, session
         self.cancelled[slot], self.finished_chunk[slot] = False, True
         self.chunk[slot], self.chunks[slot] = -1, chunks
@@ -57,6 +62,7 @@ class SlotTable:
 
     def free(self, slot: int) -> None:
         self.active[slot], self.finished_chunk[slot], self.adapter[slot], self.lane[slot] = False, True, 0, -1
+        self.sampling[:, slot] = 1.0
 
     def wanting(self) -> np.ndarray:
         """The slots whose requests want another frame."""
@@ -71,3 +77,11 @@ class SlotTable:
         keys = noise_keys(self.seed[slots], self.draws[slots])
         self.draws[slots] += 1
         return keys
+
+
+def round_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32: what
+    `torch.tensor(x, dtype=torch.bfloat16)` holds (NaN and infinities pass through)."""
+    bits = np.asarray(values, np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return np.where(np.isfinite(values), rounded.view(np.float32), values).astype(np.float32)
