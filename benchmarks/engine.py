@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -42,8 +43,7 @@ import fish_sm
 from fish_sm.engine import Engine, Reference, SamplingParams
 from fish_sm.engine.checks import SENTENCE, compare_compiled_to_eager, weight_bytes
 from fish_sm.engine.engine import freeze_start_up_objects
-from fish_sm.engine.generate import attention_bucket, decode_frame, generate_frames, noise_size, sample_frame
-from fish_sm.engine.generate import prefill as run_prefill
+from fish_sm.engine.generate import attention_bucket, decode_frame, noise_size, sample_frame
 from fish_sm.engine.prompt import build_prompt
 from fish_sm.engine.sampling import PENALTY_WINDOW, sampling_tensors
 
@@ -109,6 +109,13 @@ def graphed_us(fn, calls: int = 100, replays: int = 5) -> float:
         graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / (replays * calls) * 1e6
+
+
+def run_prefill(model, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slow transformer over a whole prompt [1 + C, T] from position 0, in cache row 0,
+    launched from Python: the head's logits and the fast transformer's input at its end."""
+    length = prompt.shape[1]
+    return model.forward_slow(prompt.to(model.device)[None], model.positions[:length], length)
 
 
 def release(device: torch.device) -> None:
@@ -217,30 +224,33 @@ def profile_admission(engine: Engine, calls: int = 5) -> dict:
     return out
 
 
-# -- one stream (the sequential engine) ------------------------------------------------------
+# -- one stream (the engine's one-slot batching engine) -----------------------------------------
 
 
 def measure(engine: Engine, frames: int, repeats: int, prompt_tokens: int) -> dict:
-    """Decode, prefill, codec and first audio of `engine` as it is (compiled or not)."""
+    """One stream on the engine's batching engine as it is (compiled or not; every request to
+    its full length): decode rate after a ~`prompt_tokens` prompt (a reference voice, whose
+    prompt prefix the engine keeps after its first request, and a sentence) and after a short
+    one, the first frame and the first audio with the voice, the codec's whole decode of 10 s."""
+    from fish_sm.engine.batching import Job
+
     dev, model = engine.device, engine.model
     voice = reference_voice(engine, max(1, prompt_tokens - 60))
     prompt = build_prompt(engine.tokenizer, model.config.num_codebooks, [(voice.text, voice.codes)], SENTENCE)
-    short = build_prompt(engine.tokenizer, model.config.num_codebooks, [], BATCH_TEXTS[1])  # as the batching levels'
-    params = SamplingParams(max_new_tokens=frames, seed=0)
+    batcher = engine.batching()
 
-    def prefill():  # as the engine runs it: replayed from a captured graph when compiled on a GPU
-        with torch.inference_mode():
-            run_prefill(model, prompt, engine.step)
+    def request(text: str, references: tuple, n: int) -> tuple[dict, int]:
+        ticket = batcher.submit(Job(text, references=references, params=SamplingParams(max_new_tokens=n, seed=0)),
+                                bounded=False)
+        return ticket.timings, ticket.result().frames
 
-    def decode(prompt=prompt) -> float:
-        t, n = time.perf_counter(), 0
-        for i, _ in enumerate(generate_frames(model, prompt, params, step=engine.step)):
-            if i == 0:
-                sync(dev)
-                t = time.perf_counter()  # the first frame comes from the prefill
-            n = i
-        sync(dev)
-        return n / (time.perf_counter() - t)
+    def decode(text: str = SENTENCE, references: tuple = (voice,)) -> float:
+        timings, n = request(text, references, frames)  # from its first frame (the prefill's) to its last
+        return (n - 1) / (timings["queue"] + timings["generate"] - timings["first_frame"])
+
+    def first_frame() -> float:
+        timings, _ = request(SENTENCE, (voice,), 2)
+        return timings["first_frame"]
 
     ten_seconds = torch.randint(0, 1024, (1, model.config.num_codebooks, round(10 * engine.sample_rate / engine.frame_length)),
                                 generator=torch.Generator().manual_seed(2)).to(dev)
@@ -250,21 +260,19 @@ def measure(engine: Engine, frames: int, repeats: int, prompt_tokens: int) -> di
             engine.codec.decode(ten_seconds)
 
     def first_audio() -> float:
-        sync(dev)
         t0 = time.perf_counter()
         stream = engine.stream(SENTENCE, voice, seed=0, max_new_tokens=64)
         next(stream)
-        sync(dev)
         elapsed = time.perf_counter() - t0
         stream.close()
         return elapsed
 
-    prefill(), codec_decode(), first_audio()  # warm-up
+    first_frame(), codec_decode(), first_audio()  # warm-up (the voice's prefix computed and kept)
     return {
         "prompt_tokens": prompt.shape[1],
-        "prefill_ms": statistics.median(timed(prefill, dev) * 1e3 for _ in range(repeats)),
+        "first_frame_ms": statistics.median(first_frame() * 1e3 for _ in range(repeats)),
         "decode_frames_per_s": statistics.median(decode() for _ in range(repeats)),
-        "decode_short_prompt_frames_per_s": statistics.median(decode(short) for _ in range(repeats)),
+        "decode_short_prompt_frames_per_s": statistics.median(decode(BATCH_TEXTS[1], ()) for _ in range(repeats)),
         "codec_decode_10s_ms": statistics.median(timed(codec_decode, dev) * 1e3 for _ in range(repeats)),
         "time_to_first_audio_ms": statistics.median(first_audio() * 1e3 for _ in range(repeats)),
         "reference_frames": voice.codes.shape[1],
@@ -284,18 +292,22 @@ def run_mode(checkpoint: str, mode: str, frames: int, repeats: int, prompt_token
     if mode == "int8":
         out["quantize_s"] = timed(engine.quantize_int8, dev)
     out["weight_gb"] = weight_bytes(engine.model) / 1e9
+    # Every request to its full length (random weights' <|im_end|> would end some early).
     if mode != "eager":
-        out["compile_s"] = timed(engine.compile, dev)
+        out["compile_s"] = timed(functools.partial(engine.compile, forced_lengths=True), dev)
+    else:
+        engine.batching(forced_lengths=True)
     with start_up_frozen():
         out.update(measure(engine, frames if mode != "eager" else min(frames, 100), repeats, prompt_tokens))
         out["realtime_x"] = out["decode_frames_per_s"] * engine.frame_length / engine.sample_rate
         if profile and engine.compiled and dev.type == "cuda":
-            out["profile"] = profile_decode(engine.model, engine.step, 1, 1100)
+            out["profile"] = profile_decode(engine.model, engine.batching().runner.captured, 1, 1100)
             out["prefill_profile"] = profile_prefill(engine, prompt_tokens)
         if engine.compiled:
             prompt = build_prompt(engine.tokenizer, engine.config.num_codebooks, [], SENTENCE)
             out["compiled_vs_eager"] = compare_compiled_to_eager(engine, prompt)
         out["peak_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
+    engine.batching().stop()
     del engine
     release(dev)
     return out
@@ -310,20 +322,18 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     aggregate frames/s, each request's decode rate (first to last frame), time to first audio
     p50/p95 when streaming. All submitted at once, streamed and whole; then, with `rounds`
     above 1, streamed in a closed loop of that many rounds (`batching_level`). Before the
-    levels: with 1 among `streams`, the sequential engine on the same requests
-    (`sequential_requests`); the streaming codec alone (`codec_pieces_check`); the captured
-    admissions against each prompt's eager prefill (`admission_check`)."""
+    levels: the streaming codec alone (`codec_pieces_check`); the captured admissions against
+    each prompt's eager prefill (`admission_check`)."""
     from fish_sm.engine.batching import BatchEngine, Job
 
     dev = resolve(device)
     engine = load(checkpoint, mode, dev, max_seq_len)
-    sequential = sequential_requests(engine, frames) if 1 in streams else None
     prompts, reference = admission_reference(engine, max(streams))
     codec = codec_pieces_check(engine)
     release(dev)  # the check's codec graphs, before the slots are sized
     batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0, horizon_s=0)  # decode as fast as it can
     out = {"mode": mode, "slots": batcher.slots, "max_seq_len": batcher.max_seq_len, "frames_per_request": frames,
-           "sequential": sequential, "codec_pieces": codec}
+           "codec_pieces": codec}
     out["compile_s"] = timed(batcher.compile, dev) + timed(batcher.capture_remaining, dev)
     out["admission_graph_vs_compiled"] = admission_check(batcher, prompts, reference)
     if profile and dev.type == "cuda":
@@ -392,7 +402,7 @@ def batching_level(batcher, n: int, frames: int, stream: bool, rounds: int = 1) 
              "per_request_decode_frames_per_s_median": statistics.median(decode),
              "stopped_early": sum(r.frames < frames // 2 for r in results),
              "per_request_realtime_x_min": min(decode) / rate, "wall_s": wall,
-             # submission to the last audio, as `sequential_requests` times the sequential engine
+             # submission to the last audio
              "end_to_end_frames_per_s_median": statistics.median(r.frames / t.timings["total"]
                                                                  for t, r in zip(tickets, results))}
     if rounds > 1:
@@ -428,38 +438,9 @@ def _overlap(first: float, last: float, start: float, end: float) -> float:
     return max(0.0, min(last, end) - max(first, start)) / (last - first)
 
 
-def sequential_requests(engine: Engine, frames: int, requests: int = 3) -> dict:
-    """The sequential engine on the batching levels' requests, one at a time, compiled (what a
-    single stream of the batching engine is compared with): each request from its text to
-    its last audio, streamed (`Engine.stream`, audio every 16 frames) and whole
-    (`Engine.synthesize`), in frames per second of that time (median). Its compiled step is
-    dropped after, so that the batching engine sizes its slots without those graphs."""
-    engine.compile()
-
-    def streamed(i: int) -> float:
-        t0, samples = time.perf_counter(), 0
-        for piece in engine.stream(BATCH_TEXTS[i % len(BATCH_TEXTS)], seed=i, max_new_tokens=frames):
-            samples += len(piece)
-        return samples / engine.frame_length / (time.perf_counter() - t0)
-
-    def whole(i: int) -> float:
-        t0 = time.perf_counter()
-        result = engine.synthesize(BATCH_TEXTS[i % len(BATCH_TEXTS)], seed=i, max_new_tokens=frames)
-        return result.frames / (time.perf_counter() - t0)
-
-    with start_up_frozen():
-        streamed(0)  # warm-up
-        out = {"stream_end_to_end_frames_per_s_median": statistics.median(streamed(i) for i in range(requests)),
-               "whole_end_to_end_frames_per_s_median": statistics.median(whole(i) for i in range(requests))}
-    print(json.dumps({"sequential": out}), flush=True)
-    engine.drop_compiled()
-    release(engine.device)
-    return out
-
-
 def admission_reference(engine: Engine, most: int) -> tuple[dict[int, list], dict[int, torch.Tensor]]:
     """Prompts to admit together (1, 3 and 8 of them, at most `most`) and each prompt's logits
-    from its own eager prefill (the sequential engine's, uncompiled), taken before a batching
+    from its own eager prefill (uncompiled), taken before a batching
     engine takes the model over: {n: prompts}, {n: logits [n, vocab] in float32}."""
     model, prompts, reference = engine.model, {}, {}
     with torch.inference_mode():
@@ -537,7 +518,7 @@ model = model_fn(sys.argv[1])
 total = time.perf_counter() - t0
 from torch._dynamo.utils import counters  # where a warm start's compile time goes: cache hits or not
 cache = {f"{group}.{k}": v for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
-captures = getattr(model.engine.step, "timings", {})  # the compile phase's graph captures, by kind
+captures = getattr(model.engine.batching().runner.captured, "timings", {})  # graph captures, by kind
 print("MODEL_FN " + json.dumps({"total_s": total, **model.timings, "captures": captures, "caches": cache}))
 """
 
@@ -611,7 +592,8 @@ def figures_tables(report: dict) -> str:
         label = f"{name} ({m['dtype']})" if name == "eager" or m["dtype"] != "bfloat16" else name
         row(f"decode at one stream, {label}", f"{m['decode_frames_per_s']:.1f} frames/s ({m['realtime_x']:.1f}x real "
             f"time); after a short prompt {m['decode_short_prompt_frames_per_s']:.1f}")
-        row(f"prefill, {m['prompt_tokens']:,} tokens, {label}", f"{m['prefill_ms']:.1f} ms")
+        row(f"first frame, {m['prompt_tokens']:,}-token prompt (its voice's prefix kept), {label}",
+            f"{m['first_frame_ms']:.1f} ms")
         row(f"codec decode of 10 s of audio, {label}", f"{m['codec_decode_10s_ms']:.1f} ms")
         row(f"time to first audio, one stream ({m['reference_frames']}-frame voice), {label}",
             f"{m['time_to_first_audio_ms']:.0f} ms")
@@ -646,16 +628,11 @@ def figures_tables(report: dict) -> str:
                 f"captured logits within {check['captured_max_logit_diff']:.3g}, compiled within "
                 f"{check['compiled_max_logit_diff']:.3g}")
         one = next((lv for lv in curve["levels"] if lv["streams"] == 1 and lv["stream"] and lv["rounds"] == 1), None)
-        seq = curve.get("sequential")
-        if one and seq:
-            whole = one["end_to_end_frames_per_s_median"] / seq["whole_end_to_end_frames_per_s_median"]
-            streamed = one["end_to_end_frames_per_s_median"] / seq["stream_end_to_end_frames_per_s_median"]
-            row(f"batching {mode}: 1 stream against the sequential engine, text to last audio",
-                f"{whole - 1:+.1%} against its whole synthesis, {streamed - 1:+.1%} against its stream")
         short = modes.get(mode)
         if one and short:
             ratio = one["per_request_decode_frames_per_s_median"] / short["decode_short_prompt_frames_per_s"]
-            row(f"batching {mode}: 1 stream's decode against the sequential decode loop (no codec)", f"{ratio - 1:+.1%}")
+            row(f"batching {mode}: 1 stream of {curve['slots']} slots against the one-slot engine, decode",
+                f"{ratio - 1:+.1%}")
         for lv in curve["levels"]:
             kind = (f"closed loop, {lv['rounds']} rounds" if lv["rounds"] > 1 else "burst") + (
                 ", streamed" if lv["stream"] else ", whole")

@@ -1,6 +1,6 @@
 """Where one replayed decode frame (one row, ~1,100 cache slots) spends its time, kernel by kernel,
-per weight mode (bf16 against INT8): torch.profiler over replays of the sequential engine's
-captured frame (`Engine.step`). With programmatic dependent launch a kernel starts before the
+per weight mode (bf16 against INT8): torch.profiler over replays of the engine's captured
+one-row frame (its one-slot batching engine's, after `Engine.compile`). With programmatic dependent launch a kernel starts before the
 one before it ends, so each kernel's share is its *marginal* time: its end minus the previous
 kernel's end (they add up to the frame). Kernels are matched across modes by their place in
 the frame. CUDA only.
@@ -36,7 +36,7 @@ def timeline(engine, live: int, replays: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     args, key_pos = decode_step_inputs(engine.model, 1, live)
-    step = engine.step
+    step = engine.batching().runner.captured
 
     def replay():
         return step(*args, key_pos=key_pos)

@@ -47,7 +47,7 @@ total = time.perf_counter() - t0
 from torch._dynamo.utils import counters
 print("MODEL_FN " + json.dumps({
     "total_s": total, "import_torch_s": import_torch, "cuda_init_s": cuda_init, **model.timings,
-    "captures": getattr(model.engine.step, "timings", {}),
+    "captures": getattr(model.engine.batching().runner.captured, "timings", {}),
     "counters": {f"{g}.{k}": v for g in ("inductor", "aot_autograd", "stats") for k, v in counters[g].items()}}))
 if profiler:
     profiler.dump_stats(stats_path)

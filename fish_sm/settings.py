@@ -49,15 +49,15 @@ class Settings:
     stream_horizon_s: float = 2.0
     step_rows: int = 0  # batching server: most requests one decode step takes (0: every one that wants a frame)
     max_queue: int = 64  # batching server: requests that may wait for a slot; more get 503 + Retry-After
-    prefix_cache: int = 8  # batching server: reference-voice prompt prefills kept on the GPU
-    # batching server, streamed codec on a GPU: auto (the conv decoder in float16, the fronts' float32
+    prefix_cache: int = 8  # reference-voice prompt prefills kept on the GPU
+    # the streamed codec on a GPU: auto (the conv decoder in float16, the fronts' float32
     # matmuls in TF32; 51 dB SNR against float32) | float32 (the codec's own precision throughout)
     codec_precision: str = "auto"
     max_lines: int = 256  # lines a JSON Lines body may hold; more is a 413
     header_timeout: float = 10.0  # seconds a client may take to send a request's headers
     body_timeout: float = 60.0  # seconds a client may take to send a request's body
     manifest_sha256: str = ""  # set by deploy: the sha256 the package's manifest.json must have
-    # Benchmarks only (batching server): a request is never ended by <|im_end|>, only by its
+    # Benchmarks only: a request is never ended by <|im_end|>, only by its
     # max_new_tokens, so random weights (which stop at random frames) still load the GPU with
     # the lengths a capacity run intends. Never set it on a service: every request runs to its cap.
     benchmark_lengths: bool = False

@@ -92,7 +92,7 @@ class AdapterCache:
             self._holders[slot] -= 1
 
     def acquire(self, name: str | None) -> int:
-        """`claim`, waiting for the read (the sequential engine, one request at a time)."""
+        """`claim`, waiting for the read (a caller outside the batching engine's scheduler)."""
         if name is None:
             return 0
         slot = self.claim(name)

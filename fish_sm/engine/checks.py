@@ -16,16 +16,26 @@ SENTENCE = ("The quick brown fox jumps over the lazy dog while the patient engin
             "how fast this voice can start speaking.")
 
 
+def compiled_step(engine: Engine):
+    """The engine's compiled decode step: on a GPU its batching engine's captured graphs (once
+    `engine.compile()` ran; else None), elsewhere `decode_frame` compiled by torch.compile."""
+    if engine.device.type == "cuda":
+        return engine.batching().runner.captured if engine.compiled else None
+    return torch.compile(decode_frame, fullgraph=True)
+
+
 def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int = 8) -> dict:
     """Run the same frames through the eager step (exact attention length) and the compiled
-    one (`engine.step`: bucketed, masked attention; CUDA graphs or torch.compile) from identical
-    states and inputs; report how far the slow head's logits and the sampled codes differ:
+    one (`compiled_step`: bucketed, masked attention; CUDA graphs or torch.compile) from
+    identical states and inputs, in the KV cache's row 0 (while the engine serves nothing);
+    report how far the slow head's logits and the sampled codes differ:
     {"max_abs_logit_diff", "max_abs_logit" (the scale), "code_agreement" (a share)}.
-    Before `engine.compile()` both sides are eager (agreement 1.0)."""
+    On a GPU before `engine.compile()` both sides are eager (agreement 1.0)."""
     model, dev = engine.model, engine.device
     compiled_slow = model.forward_slow if dev.type == "cuda" else torch.compile(model.forward_slow, fullgraph=True)
     t, p, r = (x.view(1, 1) for x in sampling_tensors(SamplingParams(seed=0), dev))
-    step = engine.step
+    step = compiled_step(engine)
+    row = torch.zeros(1, dtype=torch.long, device=dev)
     worst, scale, agree, total = 0.0, 0.0, 0, 0
     with torch.inference_mode():
         length = prompt.shape[1]
@@ -43,7 +53,7 @@ def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int =
             scale = max(scale, eager_logits.float().abs().max().item())
             noise = torch.empty(1, noise_size(model), device=dev).exponential_(1, generator=g)
             a = decode_frame(model, frame[None], pos, window[None], noise, t, p, r, live=length + i + 1)[0]
-            b = step(model, frame[None], pos, window[None], noise, t, p, r, key_pos=bucket)[0].clone() if step else a
+            b = step(model, frame[None], pos, window[None], noise, t, p, r, key_pos=bucket, rows=row)[0].clone() if step else a
             agree += int((a == b).sum())
             total += a.numel()
             frame = a

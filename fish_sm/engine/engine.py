@@ -1,18 +1,19 @@
 """`Engine`: one checkpoint on one device, from text (and optional reference voices) to audio.
 
-Long text is spoken chunk by chunk; each chunk's prompt holds the references and the
-previous chunk (its text and the codes just generated for it), so the voice carries
-over. All chunks' codes form one sequence that the causal codec turns into one
-continuous waveform, decoded at the end (`synthesize`) or as frames arrive (`stream`).
+It holds the model, the codec and the tokenizer, encodes reference voices, and speaks through
+the batching engine (`engine.batching`) built over it: a server's, or one of one slot. Long
+text is spoken chunk by chunk; each chunk's prompt holds the references and the previous
+chunk (its text and the codes just generated for it), so the voice carries over, and the
+streaming codec turns all chunks' codes into one continuous waveform, whole (`synthesize`)
+or piece by piece (`stream`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import logging
-import time
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +27,12 @@ from fish_sm import kernels
 from fish_sm.contract import DEFAULT_CHUNK_LENGTH, SamplingParams, check_text
 from fish_sm.engine.adapters import AdapterCache, AdapterSource
 from fish_sm.engine.audio import AudioInput, load_reference_audio
-from fish_sm.engine.generate import GraphedStep, HostCopy, decode_frame, generate_frames, to_device
-from fish_sm.engine.prompt import chunk_prompt
-from fish_sm.engine.text import split_text
+from fish_sm.engine.generate import HostCopy, to_device
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.model.checkpoint import find_model_file
 from fish_sm.model.codec import Codec, load_codec
 from fish_sm.model.config import ModelConfig
 from fish_sm.model.dual_ar import DualARTransformer, load_dual_ar
-from fish_sm.model.lora import AdapterError
 from fish_sm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("fish_sm.engine")
@@ -89,7 +87,9 @@ class Engine:
         self.frame_length = codec.frame_length
         self._references: OrderedDict[str, Tensor] = OrderedDict()
         self._reference_cache_size = reference_cache_size
-        self._step = None  # the compiled decode_frame, once compile() has run
+        self._batcher = None  # the BatchEngine that serves this engine's requests (`batching`)
+        self._batching_lock = threading.Lock()
+        self._compiled = False  # its graphs captured (`compile`)
         self.adapters: AdapterCache | None = None  # LoRA adapters, once enable_adapters() has run
 
     @classmethod
@@ -135,8 +135,9 @@ class Engine:
         read the weights themselves) for the compiled layers."""
         if self.adapters is not None:
             raise FishSMError("adapters are enabled already")
-        if self.compiled:
-            raise FishSMError("enable adapters before compiling the decode step")
+        if self._batcher is not None:
+            raise FishSMError("enable adapters before compiling or synthesizing: the batching engine reads the "
+                              "adapter slots when it is built")
         slots = max(1, memory_bytes // kernels.AdapterSlots.slot_bytes(self.model, rank))
         self.adapters = AdapterCache(kernels.AdapterSlots(self.model, slots, rank), source)
         logger.info("adapters: %d slots of rank %d, %.1f MiB each", slots, rank,
@@ -147,51 +148,40 @@ class Engine:
         """Adapter slots, the adapters in them (least recently used first), bytes per adapter."""
         return {} if self.adapters is None else self.adapters.stats()
 
-    @contextlib.contextmanager
-    def _adapter(self, name: str | None):
-        """Rows of the next calls use adapter `name` (held meanwhile)."""
-        if name is None and self.adapters is None:
-            yield
-            return
-        if self.adapters is None:
-            raise AdapterError(f"adapter {name!r}: this server serves no adapters")
-        slot = self.adapters.acquire(name)
-        try:
-            self.adapters.slots.set_rows(torch.tensor([slot]))
-            yield
-        finally:
-            self.adapters.release(slot)
+    def compile(self, **options) -> None:
+        """Capture the decode step, admissions and codec as CUDA graphs now, not on a request
+        (on a GPU; elsewhere nothing is compiled): a new one-slot batching engine over this one
+        (`options`: `BatchEngine`'s keyword arguments), compiled, started and warmed up."""
+        from fish_sm.engine.batching import BatchEngine
 
-    def compile(self) -> None:
-        """Make a decode frame (slow step, all fast steps, all sampling) one launch.
-
-        On a GPU the frame is captured as CUDA graphs, one per attention-length bucket,
-        all captured here, with the prefill (one per prompt-length bucket) and the first
-        frame after it; elsewhere it is compiled with torch.compile. Either way it
-        happens now, not on the first request.
-        """
-        if self.device.type == "cuda":
-            step = GraphedStep(self.model)
-            step.capture_all(prefill=True)
-            self._step = step
-            logger.info("captured %d graphs: %s", len(step.graphs),
-                        ", ".join(f"{kind} {s:.2f} s" for kind, s in step.timings.items()))
-        else:
-            self._step = torch.compile(decode_frame, fullgraph=True)
+        batcher = BatchEngine(self, **{"max_batch": 1, **options})
+        batcher.compile()
+        batcher.start()
+        self._compiled = self.device.type == "cuda"
         self.synthesize("Compiling the decoder.", seed=0, max_new_tokens=3)
 
     @property
     def compiled(self) -> bool:
-        return self._step is not None
+        return self._compiled
 
-    @property
-    def step(self):
-        """The compiled decode frame (`GraphedStep` on a GPU), or None before `compile`."""
-        return self._step
+    def batching(self, **options):
+        """The `BatchEngine` that runs this engine's requests: the last one built over it while it
+        serves (a server's), else a new one of one slot (`options`: `BatchEngine`'s keyword
+        arguments), started now. `synthesize` and `stream` go through it: one engine, one
+        streaming codec, however many slots."""
+        with self._batching_lock:  # callers on several threads make one
+            if self._batcher is None or self._batcher.finished():
+                from fish_sm.engine.batching import BatchEngine
 
-    def drop_compiled(self) -> None:
-        """Forget the compiled decode step: its graphs point at a KV cache that is being replaced."""
-        self._step = None
+                BatchEngine(self, **{"max_batch": 1, **options}).start()
+            return self._batcher
+
+    def attach(self, batcher) -> None:
+        """`batcher` takes over this engine's model (its KV cache): the one before it stops."""
+        previous, self._batcher = self._batcher, batcher
+        if previous is not None and previous is not batcher:
+            previous.stop()
+        self._compiled = False
 
     # -- references ---------------------------------------------------------------
 
@@ -227,70 +217,38 @@ class Engine:
 
     # -- synthesis ----------------------------------------------------------------
 
-    def frames(self, text: str, references: Sequence[Reference] = (), chunk_length: int = DEFAULT_CHUNK_LENGTH,
-               params: SamplingParams = SamplingParams(), adapter: str | None = None) -> Iterator[Tensor]:
-        """Codes frame by frame ([num_codebooks] on the device), over all chunks of `text`,
-        with LoRA adapter `adapter` if named (see `enable_adapters`)."""
-        check_text(text, chunk_length)
-        generator = request_generator(self.device, params.seed)
-        turns = [(r.text, r.codes) for r in references]
-        previous: list[tuple[str, Tensor]] = []
-        with self._adapter(adapter):
-            for chunk in split_text(text, chunk_length):
-                prompt = chunk_prompt(self.tokenizer, self.config.num_codebooks, self.model.max_seq_len, turns,
-                                      previous, chunk)
-                produced = []
-                for frame in generate_frames(self.model, prompt, params, generator, step=self._step):
-                    produced.append(frame[1:])
-                    yield frame[1:]
-                previous = [(chunk, torch.stack(produced, dim=1).cpu())] if produced else []
-
     def synthesize(self, text: str, reference: Reference | Sequence[Reference] | None = None,
                    chunk_length: int = DEFAULT_CHUNK_LENGTH, adapter: str | None = None, **sampling) -> Synthesis:
         """Speak `text` (in the voice of `reference`, if given; with LoRA adapter `adapter`, if
         named). `sampling`: temperature, top_p, repetition_penalty, max_new_tokens (per chunk), seed."""
-        params = SamplingParams(**sampling)
-        t0 = time.perf_counter()
-        frames = list(self.frames(text, as_references(reference), chunk_length, params, adapter))
-        t1 = time.perf_counter()
-        with torch.inference_mode():
-            if frames:
-                codes = torch.stack(frames, dim=1)
-                audio = self.codec.decode(codes[None])[0].float().cpu().numpy()
-            else:
-                codes = torch.zeros(self.config.num_codebooks, 0, dtype=torch.long)
-                audio = np.zeros(0, dtype=np.float32)
-        t2 = time.perf_counter()
-        return self._result(audio, codes.cpu(), {"generate": t1 - t0, "decode": t2 - t1, "total": t2 - t0})
+        ticket = self._submit(text, reference, chunk_length, adapter, sampling, stream=False)
+        result = ticket.result()
+        result.codes = result.codes.cpu()
+        return result
 
     def stream(self, text: str, reference: Reference | Sequence[Reference] | None = None,
-               chunk_length: int = DEFAULT_CHUNK_LENGTH, first_chunk_frames: int = 4, chunk_frames: int = 16,
-               adapter: str | None = None, **sampling) -> Iterator[np.ndarray]:
-        """Yield float32 audio as it is generated: after `first_chunk_frames` frames,
-        then every `chunk_frames`. The pieces concatenate to what `synthesize` returns
-        for the same seed."""
-        params = SamplingParams(**sampling)
-        frames = self.frames(text, as_references(reference), chunk_length, params, adapter)
-        decoder = self.codec.streaming_decoder(batch_size=1)
-        pending: list[Tensor] = []
-        want = first_chunk_frames
-        for frame in frames:
-            pending.append(frame)
-            if len(pending) >= want:
-                yield self._push(decoder, pending)
-                pending, want = [], chunk_frames
-        if pending:
-            yield self._push(decoder, pending)
+               chunk_length: int = DEFAULT_CHUNK_LENGTH, adapter: str | None = None, **sampling) -> Iterator[np.ndarray]:
+        """Yield float32 audio as it is decoded, in the batching engine's codec pieces (4 frames,
+        then doubling to 64). The pieces concatenate to what `synthesize` returns for the same
+        seed. Closing the iterator early cancels the request."""
+        ticket = self._submit(text, reference, chunk_length, adapter, sampling, stream=True)
+        try:
+            for kind, payload in ticket.events():
+                if kind == "error":
+                    raise payload
+                if kind == "audio":
+                    yield payload
+        finally:
+            ticket.cancel()
 
-    def _push(self, decoder, frames: list[Tensor]) -> np.ndarray:
-        with torch.inference_mode():
-            return decoder.push(torch.stack(frames, dim=1)[None])[0].float().cpu().numpy()
+    def _submit(self, text, reference, chunk_length: int, adapter: str | None, sampling: dict, stream: bool):
+        from fish_sm.engine.batching import Job
 
-    def _result(self, audio: np.ndarray, codes: Tensor, timings: dict[str, float]) -> Synthesis:
-        seconds = len(audio) / self.sample_rate
-        return Synthesis(audio=audio.astype(np.float32, copy=False), sample_rate=self.sample_rate,
-                         frames=codes.shape[1], seconds=seconds,
-                         rtf=timings["total"] / seconds if seconds else float("inf"), timings=timings, codes=codes)
+        check_text(text, chunk_length)
+        job = Job(text, references=tuple(as_references(reference)), chunk_length=chunk_length,
+                  params=SamplingParams(**sampling), stream=stream, adapter=adapter)
+        # Not bounded by the queue: a caller of this API waits its turn rather than being refused.
+        return self.batching().submit(job, bounded=False)
 
 
 def freeze_start_up_objects() -> None:

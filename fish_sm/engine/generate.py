@@ -1,4 +1,4 @@
-"""Prefill, then frame-by-frame decoding on the model's static KV cache.
+"""A frame's decoding on the model's static KV cache, and its CUDA graphs.
 
 One frame = one slow step (the head picks a semantic code or <|im_end|>) followed by
 `num_codebooks - 1` fast steps (the residual codes). The repetition-penalty window is
@@ -17,15 +17,14 @@ import ctypes
 import functools
 import time
 from types import MappingProxyType
-from typing import Callable, Iterator, Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from fish_sm import kernels
-from fish_sm.contract import SamplingParams
-from fish_sm.engine.sampling import PENALTY_WINDOW, head_penalty_indices, logits_to_probs, sampling_tensors
+from fish_sm.engine.sampling import PENALTY_WINDOW, head_penalty_indices, logits_to_probs
 from fish_sm.errors import InputError
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE
 from fish_sm.model.dual_ar import DualARTransformer
@@ -140,18 +139,6 @@ def attention_bucket(max_seq_len: int, live: int, bucket: int = LIVE_BUCKET) -> 
     return min(max_seq_len, -(-live // step) * step)
 
 
-def prefill_bucket(max_seq_len: int, length: int) -> int:
-    """The prompt positions a captured prefill runs for `length`: the next multiple of 128
-    up to 1,024 tokens, of 512 up to 4,096, then of 1,024: 18 graphs for 8,192 positions,
-    each prompt padded by less than half its length (less than 128 tokens up to 1,024)."""
-    step = 128 if length <= 1024 else 512 if length <= 4096 else 1024
-    return min(max_seq_len, -(-length // step) * step)
-
-
-def prefill_buckets(max_seq_len: int) -> list[int]:
-    return sorted({prefill_bucket(max_seq_len, n) for n in range(1, max_seq_len)})
-
-
 def length_buckets(max_seq_len: int, bucket: int = LIVE_BUCKET) -> list[int]:
     return sorted({attention_bucket(max_seq_len, live, bucket) for live in range(1, max_seq_len + 1)})
 
@@ -197,7 +184,7 @@ def kernels_load_in_captures() -> bool:
 class GraphedStep:
     """`decode_frame` replayed from CUDA graphs, one per (batch size, attention bucket), so a
     frame is a single launch of all its kernels with no Python or launch overhead between
-    them; likewise the first frame after a prefill and (one row) the prefill itself.
+    them; likewise the first frame after a prefill and the admissions' prefills.
     Inputs are copied into static buffers (the first B rows of buffers sized for
     `max_batch`); the output buffer is reused by the next replay (callers clone it).
     `compile_options`: keyword arguments of every `kernels.compile_decode` call (inductor's
@@ -257,10 +244,8 @@ class GraphedStep:
                 "hidden": torch.zeros(max_batch, c.fast_dim, dtype=model.dtype, device=dev),
                 **{k: self.inputs[k] for k in ("noise", "temperature", "top_p", "penalty")},
             }
-            self.prefill_inputs = {"tokens": torch.zeros(1, rows, model.max_seq_len, dtype=torch.long, device=dev),
-                                   "last": torch.zeros(1, dtype=torch.long, device=dev)}
         self.pool = torch.cuda.graph_pool_handle()
-        # (batch, bucket): decode steps; ("first", batch): first frames; ("prefill", bucket): prefills
+        # (batch, bucket): decode steps; ("first", batch): first frames
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.admissions: dict[tuple[int, int], tuple] = {}  # (batch, width) -> graph, inputs, outputs
         self.timings: dict[str, float] = {}  # capture seconds by kind (capture_all)
@@ -282,10 +267,8 @@ class GraphedStep:
     def pickers_for(self, batch: int) -> Pickers:
         return self.pickers_one if batch == 1 else self.pickers_many
 
-    def capture_all(self, batches=(1,), prefill: bool = False) -> None:
-        """Every decode step and first frame of these batch sizes; with `prefill`, the
-        one-row prefill of every prompt-length bucket too (the sequential engine).
-        `timings`: seconds by kind; "traced" is the first decode capture, which also traces
+    def capture_all(self, batches=(1,)) -> None:
+        """Every decode step and first frame of these batch sizes. `timings`: seconds by kind; "traced" is the first decode capture, which also traces
         and compiles (or loads from the cache) the layers and pickers.
 
         Only the first capture of each batch size and kind runs its function once before
@@ -299,9 +282,6 @@ class GraphedStep:
             for i, bucket in enumerate(length_buckets(self.model.max_seq_len)):
                 self._timed("traced" if not self.graphs else "decode", self.capture, batch, bucket, i == 0)
             self._timed("first", self.capture_first, batch)
-        if prefill:
-            for i, bucket in enumerate(prefill_buckets(self.model.max_seq_len)):
-                self._timed("prefill", self.capture_prefill, bucket, i == 0)
 
     def _timed(self, kind: str, capture: Callable, *args) -> None:
         t0 = time.perf_counter()
@@ -330,29 +310,6 @@ class GraphedStep:
         graph, out = self.graphs[("first", min(sizes))]
         graph.replay()
         return out[:batch]
-
-    @torch.inference_mode()
-    def capture_prefill(self, bucket: int, warm_up: bool = True) -> None:
-        """A one-row prefill of `bucket` positions from 0, the prompt padded at its end (the
-        padding's keys land after the prompt, where decoding overwrites them before any
-        query may see them): its ~1,900 kernels without the Python between them."""
-        model, x = self.model, self.prefill_inputs
-        self.graphs[("prefill", bucket)] = self._capture(lambda: model.forward_slow(
-            x["tokens"][:, :, :bucket], model.positions[:bucket], bucket, last=x["last"]), warm_up)
-
-    def prefill(self, prompt: Tensor) -> tuple[Tensor, Tensor]:
-        """`prefill`, replayed when the prompt's bucket was captured (graph outputs, valid
-        until the next replay)."""
-        model, length = self.model, prompt.shape[1]
-        entry = self.graphs.get(("prefill", prefill_bucket(model.max_seq_len, length)))
-        if entry is None:
-            return prefill(model, prompt)
-        x = self.prefill_inputs
-        x["tokens"][0, :, :length].copy_(prompt, non_blocking=True)
-        x["last"].fill_(length - 1)
-        graph, out = entry
-        graph.replay()
-        return out
 
     @torch.inference_mode()
     def capture_admission(self, batch: int, width: int) -> None:
@@ -480,64 +437,8 @@ class HostCopy:
         return self.value
 
 
-def prefill(model: DualARTransformer, prompt: Tensor, step: FrameFn | None = None) -> tuple[Tensor, Tensor]:
-    """The slow transformer over a whole prompt [1 + C, T] from position 0, in cache row 0:
-    the head's logits and the fast transformer's input for its last position. A
-    `GraphedStep` replays it from a captured graph."""
-    if isinstance(step, GraphedStep):
-        return step.prefill(prompt)
-    length = prompt.shape[1]
-    return model.forward_slow(prompt.to(model.device)[None], model.positions[:length], length)
-
-
 def frame_budget(prompt_length: int, max_seq_len: int, max_new_tokens: int) -> int:
     """How many frames may follow a prompt in a cache of `max_seq_len` slots."""
     if prompt_length + 1 >= max_seq_len:
         raise InputError(f"the prompt is {prompt_length} tokens; this model holds at most {max_seq_len - 2}")
     return min(max_new_tokens, max_seq_len - prompt_length)
-
-
-@torch.inference_mode()
-def generate_frames(model: DualARTransformer, prompt: Tensor, params: SamplingParams,
-                    generator: torch.Generator | None = None, step: FrameFn | None = None) -> Iterator[Tensor]:
-    """Yield frames [1 + C] (long, on the model's device) until <|im_end|> or `max_new_tokens`.
-
-    The <|im_end|> frame itself is not yielded. `step` is the compiled `decode_frame`
-    (bucketed attention, one frame queued ahead of the stop check) or None for eager.
-    """
-    device = model.device
-    n_rows, length = prompt.shape
-    max_new = frame_budget(length, model.max_seq_len, params.max_new_tokens)
-    temperature, top_p, penalty = (t.view(1, 1) for t in sampling_tensors(params, device))
-    n_noise = noise_size(model)
-
-    def noise() -> Tensor:
-        return torch.empty(1, n_noise, device=device).exponential_(1, generator=generator)
-
-    logits, hidden = prefill(model, prompt, step)
-    if isinstance(step, GraphedStep):
-        frame = step.first_frame(logits, hidden, noise(), temperature, top_p, penalty)[0].clone()
-    else:
-        frame = sample_frame(model, logits, hidden, None, noise(), temperature, top_p, penalty)[0]
-    history = torch.zeros(n_rows, max(max_new, PENALTY_WINDOW), dtype=torch.long, device=device)
-    input_pos = torch.tensor([length], device=device)
-    token = HostCopy(frame[:1])
-    for i in range(max_new):
-        following = None
-        if i + 1 < max_new:
-            start = max(0, i - PENALTY_WINDOW)
-            window = history[None, :, start : start + PENALTY_WINDOW]
-            args = (model, frame[None], input_pos, window, noise(), temperature, top_p, penalty)
-            if step is None:
-                following = decode_frame(*args, live=length + i + 1)[0]
-            else:
-                bucket = attention_bucket(model.max_seq_len, length + i + 1)
-                following = step(*args, key_pos=model.positions[:bucket])[0].clone()  # graphs reuse their output buffer
-            history[:, i] = following
-            input_pos += 1
-        if int(token.get()[0]) == model.im_end_id:
-            return
-        yield frame
-        if following is None:
-            return
-        frame, token = following, HostCopy(following[:1])

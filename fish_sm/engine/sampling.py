@@ -54,7 +54,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, repetiti
                     pairwise_max_vocab: int = PAIRWISE_MAX_VOCAB) -> Tensor:
     """logits [..., V] (float32) -> probabilities [..., V]. `sort_free`: find the nucleus of
     rows of at most `pairwise_max_vocab` logits without a sort (the same tokens up to rounding
-    at the top_p boundary; the compiled sequential engine, where it is faster)."""
+    at the top_p boundary; one-row steps, where it is faster)."""
     logits = logits.float()
     if previous is not None:
         logits = apply_repetition_penalty(logits, previous, repetition_penalty)

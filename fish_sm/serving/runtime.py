@@ -1,12 +1,12 @@
-"""What loads and runs the model on one device, for both servers: the sequential engine of the
-model server's handler, and each engine core of the batching server (`serving/core.py`).
+"""What loads and runs the model on one device, for both servers: the one-slot batching engine
+of the model server's handler, and each engine core of the batching server (`serving/core.py`).
 
 - Start-up: `load_model` (verify the package, load, quantize, open the compile cache, load the
-  packaged voices, each phase timed), and for the sequential engine `start_model` (that, then
-  compile, warm up, save the cache). `check_model_dir` (`serving/config.py`) runs before any of it.
+  packaged voices, each phase timed), and for the model server `start_model` (that, then a
+  one-slot batching engine, compiled, warmed up, the cache saved). `check_model_dir` (`serving/config.py`) runs before any of it.
 - Requests: `resolve_reference` (a packaged voice, a zero-shot recording from the body or S3,
   encoded, or the default), `resolve_adapters` (the LoRA adapter each uses, named or implied by
-  its voice), `synthesize` and `predict` on the sequential engine, and `encode_prediction`
+  its voice), `synthesize` and `predict` on the model server's engine, and `encode_prediction`
   (`serving/response.py`), the response body for an Accept header.
 Every problem a client can act on is an `HTTPError`.
 """
@@ -97,10 +97,15 @@ def load_model(model_dir: Path, device: str, settings: Settings, batching: bool 
 
 
 def start_model(model_dir: Path, device: str, settings: Settings) -> ServingModel:
-    """The sequential engine's whole start: load, compile, warm up, save the compile cache."""
+    """The model server's whole start: load, a one-slot batching engine (compiled on a GPU),
+    warm up, save the compile cache."""
     model, cache, phase = load_model(model_dir, device, settings)
+    options = {"codec_precision": settings.codec_precision, "prefix_cache": settings.prefix_cache,
+               "forced_lengths": settings.benchmark_lengths}
     if model.compiled:
-        phase("compile", model.engine.compile)
+        phase("compile", lambda: model.engine.compile(**options))
+    else:
+        model.engine.batching(**options)
     if settings.warmup:
         phase("warmup", lambda: _warm_up(model))
     if model.compiled:
@@ -146,7 +151,7 @@ def predict(model: ServingModel, requests: list[TTSRequest], jsonlines: bool) ->
 
 
 def synthesize(model: ServingModel, request: TTSRequest):
-    """One request on the sequential engine (its adapter resolved: see `resolve_adapters`): its
+    """One request on the model server's engine (its adapter resolved: see `resolve_adapters`): its
     Synthesis, or the HTTPError to answer with (an adapter that cannot be read: 422)."""
     import torch
 

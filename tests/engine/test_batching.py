@@ -1,4 +1,5 @@
-"""The batching engine against the sequential one (CPU, float32, tiny checkpoint)."""
+"""The batching engine: requests batched against each run alone (the engine's one-slot batching
+engine), the codec worker, overload and cancels (CPU, float32, tiny checkpoint)."""
 
 import time
 
@@ -59,7 +60,8 @@ def run_alone(engine: Engine, job: Job):
 
 @pytest.fixture(scope="module")
 def alone(solo, voices):
-    """Each of mixed_jobs run by the sequential engine, once for the tests that compare with it."""
+    """Each of mixed_jobs run alone (`Engine.synthesize`: a one-slot batching engine), once for the
+    tests that compare with it."""
     return [run_alone(solo, job) for job in mixed_jobs(voices)]
 
 

@@ -1,4 +1,5 @@
-"""The sequential engine's CUDA graphs against eager runs of what they capture (GPU only).
+"""The engine's CUDA graphs against eager runs of what they capture (GPU only): a one-slot
+batching engine's decode steps and admissions, and several rows' decode steps.
 
 Only the first capture of each kind runs its function before capturing it; the others
 capture cold, loading any kernel they launch first inside the capture (CUDA 12.3 and
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from fish_sm.engine import Engine, generate
-from fish_sm.engine.generate import decode_frame, length_buckets, prefill_buckets
+from fish_sm.engine.generate import decode_frame, length_buckets
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -21,30 +22,22 @@ def engine(tiny_checkpoint):
     return engine
 
 
-def _prefill_inputs(engine: Engine, bucket: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    x = engine._step.prefill_inputs
-    x["tokens"].copy_(torch.randint(0, 1000, x["tokens"].shape, generator=g))
-    x["last"].fill_(int(torch.randint(0, bucket, (1,), generator=g)))
-
-
-def _eager_prefill(engine: Engine, bucket: int):
-    model, x = engine.model, engine._step.prefill_inputs
-    return model.forward_slow(x["tokens"][:, :, :bucket], model.positions[:bucket], bucket, last=x["last"])
+def _step(engine: Engine) -> generate.GraphedStep:
+    return engine.batching().runner.captured
 
 
 @torch.inference_mode()
-def test_every_prefill_graph_replays_its_eager_run(engine):
-    step = engine._step
-    buckets = prefill_buckets(engine.model.max_seq_len)
-    assert len(buckets) > 2 and all(("prefill", b) in step.graphs for b in buckets)
-    for i, bucket in enumerate(buckets):
-        _prefill_inputs(engine, bucket, seed=i)
-        graph, out = step.graphs[("prefill", bucket)]
+def test_every_admission_graph_replays_its_eager_run(engine):
+    model, step = engine.model, _step(engine)
+    assert len(step.admissions) > 2
+    g = torch.Generator().manual_seed(0)
+    for (batch, width), (graph, x, out) in sorted(step.admissions.items()):
+        x["tokens"].copy_(torch.randint(0, 1000, x["tokens"].shape, generator=g))
+        x["last"].copy_(torch.randint(0, width, (batch,), generator=g))
         graph.replay()
         replayed = [t.clone() for t in out]
-        eager = _eager_prefill(engine, bucket)
-        assert all(torch.equal(a, b) for a, b in zip(replayed, eager)), bucket
+        eager = model.forward_slow(x["tokens"], x["positions"], width, row=x["row"], last=x["last"])
+        assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(replayed, eager)), (batch, width)
 
 
 def _decode_matches_eager(model, step, batch: int, bucket: int, seed: int) -> bool:
@@ -60,13 +53,14 @@ def _decode_matches_eager(model, step, batch: int, bucket: int, seed: int) -> bo
     graph.replay()
     replayed = out[:batch].clone()
     eager = decode_frame(model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"], x["top_p"],
-                         x["penalty"], key_pos=model.positions[:bucket], pickers=step.pickers_for(batch))
+                         x["penalty"], key_pos=model.positions[:bucket], pickers=step.pickers_for(batch),
+                         rows=x.get("rows"))
     return torch.equal(replayed, eager)
 
 
 @torch.inference_mode()
 def test_every_decode_graph_replays_its_eager_run(engine):
-    model, step = engine.model, engine._step
+    model, step = engine.model, _step(engine)
     buckets = length_buckets(model.max_seq_len)
     assert len(buckets) > 2 and all((1, b) in step.graphs for b in buckets)
     for i, bucket in enumerate(buckets):
@@ -74,8 +68,8 @@ def test_every_decode_graph_replays_its_eager_run(engine):
 
 
 @torch.inference_mode()
-def test_the_batching_engines_decode_graphs_replay_their_eager_runs(tiny_checkpoint):
-    """Several rows (the batching engine's steps): the first bucket of each batch size is
+def test_several_rows_decode_graphs_replay_their_eager_runs(tiny_checkpoint):
+    """Several rows (a batching server's steps): the first bucket of each batch size is
     captured warm, the rest cold."""
     engine = Engine.from_pretrained(tiny_checkpoint, device="cuda", max_seq_len=1024)
     engine.model.setup_caches(4, 1024)
@@ -93,18 +87,14 @@ def test_the_batching_engines_decode_graphs_replay_their_eager_runs(tiny_checkpo
 def test_a_later_capture_runs_its_function_once_where_the_driver_loads_kernels_in_captures(engine, monkeypatch, cold):
     """Where kernels cannot load inside a capture (a driver before CUDA 12.3), every capture
     runs its function before capturing it, as the first of each kind always does."""
-    model, step = engine.model, engine._step
-    bucket = prefill_buckets(model.max_seq_len)[-1]
+    model, step = engine.model, _step(engine)
+    bucket = length_buckets(model.max_seq_len)[-1]
     forward, calls = model.forward_slow, []
     monkeypatch.setattr(generate, "kernels_load_in_captures", lambda: cold)
     monkeypatch.setattr(model, "forward_slow", lambda *a, **k: calls.append(1) or forward(*a, **k))
-    step.capture_prefill(bucket, warm_up=False)
+    step.capture(1, bucket, warm_up=False)
     assert len(calls) == (1 if cold else 2)
-    step.capture_prefill(bucket)
+    step.capture(1, bucket)
     assert len(calls) == (3 if cold else 4)
     monkeypatch.undo()
-    _prefill_inputs(engine, bucket, seed=11)
-    graph, out = step.graphs[("prefill", bucket)]
-    graph.replay()
-    replayed = [t.clone() for t in out]
-    assert all(torch.equal(a, b) for a, b in zip(replayed, _eager_prefill(engine, bucket)))
+    assert _decode_matches_eager(model, step, 1, bucket, seed=11)

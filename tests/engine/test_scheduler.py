@@ -249,7 +249,7 @@ class Reference:
 
 def test_a_slot_keeps_its_sampling_parameters_rounded_as_the_model_rounds_them():
     """The table holds each request's temperature, top_p and penalty as bf16 values (what the
-    sequential engine's tensors hold), and a freed slot's go back to 1 (padding rows read them)."""
+    model's own bf16 tensors hold), and a freed slot's go back to 1 (padding rows read them)."""
     import torch
 
     values = np.concatenate([np.random.default_rng(0).uniform(0, 4, 50_000), [0.7, 0.8, 1.1, 1e-30, 3.0e38]])

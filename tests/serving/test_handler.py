@@ -118,3 +118,31 @@ def test_silent_reference_is_422(transformer, package_dir, encode_audio):
     silent = base64.b64encode(encode_audio(np.zeros((16000, 1), np.float32), 16000, "WAV")).decode()
     status, out, _ = invoke(transformer, package_dir, {"text": "x", "reference": {"audio": silent, "text": "t"}})
     assert status == 422 and "silent" in json.loads(out)["error"]
+
+
+def test_the_handler_speaks_through_the_one_engine_with_a_batched_request_s_codes(transformer, package_dir):
+    """`predict_fn` runs the engine's one-slot batching engine (the same engine as the batching
+    server's cores): a request through the handler has the codes and audio it has batched among
+    others on an engine of several slots (CPU, float32)."""
+    from fish_sm.contract import SamplingParams
+    from fish_sm.engine import Engine
+    from fish_sm.engine.batching import BatchEngine, Job
+
+    model = transformer._model
+    assert model.engine.batching().slots == 1
+    body = {"text": "One engine for every path.", "voice": "narrator", "max_new_tokens": 9, "seed": 3,
+            "temperature": 0.7}
+    prediction = handler.predict_fn(handler.input_fn(json.dumps(body), "application/json"), model)
+    (alone,) = prediction.results
+    engine = Engine.from_pretrained(package_dir, device="cpu")
+    params = SamplingParams(seed=3, max_new_tokens=9, temperature=0.7)
+    voice = model.voices["narrator"]
+    with BatchEngine(engine, max_batch=4) as batcher:
+        others = [batcher.submit(Job(f"Another request, number {i}.", params=SamplingParams(seed=i, max_new_tokens=12)))
+                  for i in range(2)]
+        batched = batcher.submit(Job(body["text"], references=(voice,), params=params)).result()
+        for ticket in others:
+            ticket.result()
+    assert alone.frames == batched.frames == 9
+    assert np.array_equal(alone.codes.numpy(), batched.codes.numpy())
+    np.testing.assert_allclose(alone.audio, batched.audio, atol=1e-5)

@@ -5,8 +5,8 @@ free KV-cache slots (their prompts prefilled together, padded, and their first f
 sampled in one replay) and retires the ones that finished; each step then decodes one
 frame for every admitted request at once, so the weights read for a frame serve the
 whole batch. Requests keep everything that makes them theirs: sampling parameters, seed
-(their own random stream, drawn as the sequential engine draws it, so a request gives the
-same codes batched or alone in float32; bf16 GPU kernels of other batch sizes round
+(their own random stream, drawn the same whatever the batch, so a request gives the same
+codes batched or alone in float32; bf16 GPU kernels of other batch sizes round
 differently), stop token, length, long text spoken chunk by chunk. A second thread turns
 codes into audio on its own CUDA stream, overlapping the decoding: pieces as frames
 arrive (streaming) or the whole utterance at the end.

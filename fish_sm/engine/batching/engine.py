@@ -39,6 +39,7 @@ class BatchEngine:
                  prefix_cache: int = 8, memory_fraction: float = 0.9, first_piece: int = 4, largest_piece: int = 64,
                  codec_precision: str = "auto", forced_lengths: bool = False, horizon_s: float = 2.0,
                  step_rows: int = 0):
+        engine.attach(self)  # before the KV cache is re-made: a batching engine before this one stops
         self.engine, self.model = engine, engine.model
         self.device = engine.device
         self._codec = CodecWorker(engine, first_piece, largest_piece, codec_precision)
@@ -208,6 +209,10 @@ class BatchEngine:
         with self._lock:
             self.scheduler.cancel(ticket)
             self._lock.notify_all()
+
+    def finished(self) -> bool:
+        """Started once and no longer serving (stopped, or failed)."""
+        return self._thread is not None and not self.alive()
 
     def alive(self) -> bool:
         """Both threads running: false for good once either has failed."""

@@ -71,7 +71,6 @@ class ModelRunner:
         self.slots = self._fit_slots(max_batch, memory_fraction, prefix_cache, codec_bytes)
         self.scratch = self.slots  # the cache row that padding and captures write into
         model.setup_caches(self.slots + 1, self.max_seq_len)
-        engine.drop_compiled()  # the sequential engine's graphs point at the old cache
         self.batch_sizes = batch_sizes(self.slots)
         dev = self.device
         cache_rows = self.slots + 1
@@ -85,8 +84,8 @@ class ModelRunner:
         self.noise = torch.ones(self.slots, noise_size(model), device=dev)  # per row of a step
         self.codebook_rows = torch.arange(self.rows, device=dev)
         # On CUDA a step's noise is one kernel keyed by each request's seed and frame number
-        # (`kernels.exponential_noise`); on the CPU each request's generator draws it,
-        # as the sequential engine does, so that the two give the same codes.
+        # (`kernels.exponential_noise`); on the CPU each request's generator draws it, frame
+        # after frame, so that a request gives the same codes batched or alone.
         self.keyed_noise = kernels.sampling_usable(dev)
         self.window_offsets = torch.arange(PENALTY_WINDOW, device=dev)
         self.prefixes = PrefixCache(prefix_cache)
@@ -393,7 +392,7 @@ class ModelRunner:
         sampling[:, :n, 0] = t.sampling[:, slots]
         if self.keyed_noise:
             inputs[0, :n] = t.next_keys(slots)
-        else:  # each request's generator draws its noise, as the sequential engine's does
+        else:  # each request's generator draws its noise, the same batched or alone
             for i, slot in enumerate(slots):
                 self.noise[i].exponential_(1, generator=self.requests[slot].generator)
         live = int(inputs[2, :n].max()) + 1

@@ -48,8 +48,8 @@ class Request:
     chunk: int = -1  # index into chunks; -1 before the first prefill
     previous: list[tuple[str, np.ndarray]] = field(default_factory=list)  # the last chunk's text and codes [C, frames]
     spoken: list[np.ndarray] = field(default_factory=list)  # the codes [C, frames] of each finished chunk
-    # Frames of noise its random stream owes before the next chunk: the sequential engine draws one
-    # frame past <|im_end|> (queued before the check); a request that yielded that step did not.
+    # Frames of noise its random stream owes before the next chunk: a request decoded at every step
+    # draws one frame past <|im_end|> (queued before the check); one that yielded that step did not.
     owed_draws: int = 0
 
     @property
