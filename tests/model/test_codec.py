@@ -224,11 +224,12 @@ def test_truncated_files(tmp_path, weights):
 
 
 def push_in_chunks(codec, codes, sizes):
-    stream = codec.streaming_decoder(batch_size=codes.shape[0])
+    """Decode in pieces of these sizes, each layer's left context carried in one state dict."""
+    state: dict = {}
     out, i, k = [], 0, 0
     while i < codes.shape[-1]:
         n = sizes[k % len(sizes)]
-        piece = stream.push(codes[:, :, i : i + n])
+        piece = codec.decode(codes[:, :, i : i + n], state)
         assert piece.shape == (codes.shape[0], min(n, codes.shape[-1] - i) * 2048)
         out.append(piece)
         i, k = i + n, k + 1
@@ -252,14 +253,11 @@ def test_streaming_past_the_attention_window(weights):
         assert (push_in_chunks(codec, codes, sizes) - whole).abs().max() < 1e-4
 
 
-def test_streaming_reset_and_batch_check(codec, codes, reference_audio):
-    stream = codec.streaming_decoder(batch_size=2)
-    stream.push(codes[:, :, :4])
-    stream.reset()
-    assert (stream.push(codes[:, :, :5]) - reference_audio[:, : 5 * 2048]).abs().max() < 1e-4
-    assert stream.push(codes[:, :, :0]).shape == (2, 0)
-    with pytest.raises(ValueError):
-        stream.push(codes[:1, :, :1])
+def test_a_fresh_state_starts_a_new_utterance_and_an_empty_piece_is_nothing(codec, codes, reference_audio):
+    codec.decode(codes[:, :, :4], {})
+    state: dict = {}
+    assert (codec.decode(codes[:, :, :5], state) - reference_audio[:, : 5 * 2048]).abs().max() < 1e-4
+    assert codec.decode(codes[:, :, :0], state).shape == (2, 0)
 
 
 @pytest.mark.parametrize("dilation", [1, 3, 9])

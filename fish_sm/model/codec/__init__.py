@@ -1,9 +1,7 @@
 """The S1-mini audio codec (fish-speech's "modded DAC"): `config` its shape, `layers` its
-causal layers, `model` the network and its loading from codec.pth, `streaming` the decoder
-that goes a few frames at a time."""
+causal layers, `model` the network and its loading from codec.pth."""
 
 from fish_sm.model.codec.config import CodecConfig
 from fish_sm.model.codec.model import Codec, codec_from_state_dict, fold_weight_norm, load_codec
-from fish_sm.model.codec.streaming import StreamingDecoder
 
-__all__ = ["Codec", "CodecConfig", "StreamingDecoder", "codec_from_state_dict", "fold_weight_norm", "load_codec"]
+__all__ = ["Codec", "CodecConfig", "codec_from_state_dict", "fold_weight_norm", "load_codec"]

@@ -6,8 +6,8 @@
     codes --codebook sums--> --window-limited transformer--> --2x2 upsample--> --causal conv decoder--> audio
 
 Every layer is causal, so besides whole-sequence `encode`/`decode` a decode can carry each
-layer's left context between calls (`streaming.StreamingDecoder`) and emit exactly the
-samples a whole-sequence `decode` would.
+layer's left context between calls (a `state` dict) and emit exactly the samples a
+whole-sequence `decode` would (`engine/codec_stream.py` decodes streams that way).
 
 Parameter names are upstream's state-dict names (`encoder.block.1.block.0.block.1.conv.weight`)
 so a checkpoint loads by name; weight norm, which upstream keeps at run time, is folded
@@ -32,7 +32,6 @@ from fish_sm.errors import CheckpointError
 from fish_sm.model.codec.config import CodecConfig, select_generator
 from fish_sm.model.codec.layers import (CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, ResidualQuantizer,
                                         ResidualUnit, Snake1d, State, Transformer, run_layers)
-from fish_sm.model.codec.streaming import StreamingDecoder
 from fish_sm.model.weights import read_state_dict, take
 
 
@@ -134,7 +133,7 @@ class Quantizer(nn.Module):
 
 
 class Codec(nn.Module):
-    """Audio <-> codes. `encode`/`decode` take whole sequences; `streaming_decoder` goes chunk by chunk."""
+    """Audio <-> codes. `encode`/`decode` take whole sequences, or (`decode` with a state) go piece by piece."""
 
     def __init__(self, config: CodecConfig):
         super().__init__()
@@ -175,7 +174,8 @@ class Codec(nn.Module):
     def decode(self, codes: Tensor, state: State = None) -> Tensor:
         """codes [B, 1 + n_codebooks, n] -> audio [B, n * frame_length]. Out-of-range codes are clamped.
         `state`: a dict carried from one call to the next, each continuing the sequence where
-        the last stopped (see `StreamingDecoder`); None, a whole sequence."""
+        the last stopped (each causal layer's left context, the transformer's KV cache); None,
+        a whole sequence."""
         self.check_codes(codes)
         if codes.shape[-1] == 0:
             return self.decoder.model[0].conv.weight.new_zeros(codes.shape[0], 0)
@@ -202,9 +202,6 @@ class Codec(nn.Module):
             return None
         post.rope(0, positions, self.device)
         return post.table
-
-    def streaming_decoder(self, batch_size: int = 1) -> StreamingDecoder:
-        return StreamingDecoder(self, batch_size)
 
     def check_codes(self, codes: Tensor) -> None:
         """Raise ValueError unless `codes` is an integer tensor [B, 1 + n_codebooks, n]."""
