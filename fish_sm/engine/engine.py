@@ -89,7 +89,6 @@ class Engine:
         self._reference_cache_size = reference_cache_size
         self._batcher = None  # the BatchEngine that serves this engine's requests (`batching`)
         self._batching_lock = threading.Lock()
-        self._compiled = False  # its graphs captured (`compile`)
         self.adapters: AdapterCache | None = None  # LoRA adapters, once enable_adapters() has run
 
     @classmethod
@@ -152,17 +151,15 @@ class Engine:
         """Capture the decode step, admissions and codec as CUDA graphs now, not on a request
         (on a GPU; elsewhere nothing is compiled): a new one-slot batching engine over this one
         (`options`: `BatchEngine`'s keyword arguments), compiled, started and warmed up."""
-        from fish_sm.engine.batching import BatchEngine
-
-        batcher = BatchEngine(self, **{"max_batch": 1, **options})
+        batcher = self._one_slot(options)
         batcher.compile()
         batcher.start()
-        self._compiled = self.device.type == "cuda"
         self.synthesize("Compiling the decoder.", seed=0, max_new_tokens=3)
 
     @property
     def compiled(self) -> bool:
-        return self._compiled
+        """The batching engine over this one has its graphs captured (a GPU's, after `compile`)."""
+        return self._batcher is not None and self._batcher.runner.captured is not None
 
     def batching(self, **options):
         """The `BatchEngine` that runs this engine's requests: the last one built over it while it
@@ -171,17 +168,19 @@ class Engine:
         streaming codec, however many slots."""
         with self._batching_lock:  # callers on several threads make one
             if self._batcher is None or self._batcher.finished():
-                from fish_sm.engine.batching import BatchEngine
-
-                BatchEngine(self, **{"max_batch": 1, **options}).start()
+                self._one_slot(options).start()
             return self._batcher
+
+    def _one_slot(self, options: dict):
+        from fish_sm.engine.batching import BatchEngine
+
+        return BatchEngine(self, **{"max_batch": 1, **options})
 
     def attach(self, batcher) -> None:
         """`batcher` takes over this engine's model (its KV cache): the one before it stops."""
         previous, self._batcher = self._batcher, batcher
         if previous is not None and previous is not batcher:
             previous.stop()
-        self._compiled = False
 
     # -- references ---------------------------------------------------------------
 
@@ -221,13 +220,11 @@ class Engine:
                    chunk_length: int = DEFAULT_CHUNK_LENGTH, adapter: str | None = None, **sampling) -> Synthesis:
         """Speak `text` (in the voice of `reference`, if given; with LoRA adapter `adapter`, if
         named). `sampling`: temperature, top_p, repetition_penalty, max_new_tokens (per chunk), seed."""
-        ticket = self._submit(text, reference, chunk_length, adapter, sampling, stream=False)
-        result = ticket.result()
-        result.codes = result.codes.cpu()
-        return result
+        return self._submit(text, reference, chunk_length, adapter, sampling, stream=False).result()
 
     def stream(self, text: str, reference: Reference | Sequence[Reference] | None = None,
-               chunk_length: int = DEFAULT_CHUNK_LENGTH, adapter: str | None = None, **sampling) -> Iterator[np.ndarray]:
+               chunk_length: int = DEFAULT_CHUNK_LENGTH, adapter: str | None = None,
+               **sampling) -> Iterator[np.ndarray]:
         """Yield float32 audio as it is decoded, in the batching engine's codec pieces (4 frames,
         then doubling to 64). The pieces concatenate to what `synthesize` returns for the same
         seed. Closing the iterator early cancels the request."""

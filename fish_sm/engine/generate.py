@@ -126,7 +126,6 @@ def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, win
     return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty, pickers)
 
 
-FrameFn = Callable[..., Tensor]
 LIVE_BUCKET = 256  # cache slots; the compiled step reads at most this many more than it needs up to 2,048
 
 
@@ -268,8 +267,9 @@ class GraphedStep:
         return self.pickers_one if batch == 1 else self.pickers_many
 
     def capture_all(self, batches=(1,)) -> None:
-        """Every decode step and first frame of these batch sizes. `timings`: seconds by kind; "traced" is the first decode capture, which also traces
-        and compiles (or loads from the cache) the layers and pickers.
+        """Every decode step and first frame of these batch sizes. `timings`: seconds by kind;
+        "traced" is the first decode capture, which also traces and compiles (or loads from
+        the cache) the layers and pickers.
 
         Only the first capture of each batch size and kind runs its function once before
         capturing it: what that run is for (compiling, tuning, first launches, workspaces) is
@@ -385,7 +385,8 @@ class HostStaging:
     def __init__(self, device: torch.device, nbytes: int, depth: int = 4):
         self.device, self.nbytes = device, nbytes
         self.cuda = device.type == "cuda"
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)] if self.cuda else []
+        self.buffers = ([torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+                        if self.cuda else [])
         self.copied: list[torch.cuda.Event | None] = [None] * depth
         self.turn = 0
 
@@ -410,10 +411,8 @@ class HostStaging:
         device.copy_(self.buffers[i][:end], non_blocking=True)
         self.copied[i] = torch.cuda.Event()
         self.copied[i].record()
-        return [device[at : at + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, at in zip(arrays, offsets)]
-
-
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32}
+        return [device[at : at + a.nbytes].view(torch.from_numpy(a).dtype).view(a.shape)
+                for a, at in zip(arrays, offsets)]
 
 
 class HostCopy:

@@ -10,6 +10,7 @@ for top_p=0.8 samples with 0.80078125 here as there.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,8 +20,17 @@ from fish_sm.contract import SamplingParams
 PENALTY_WINDOW = 16
 
 
+def round_bf16(values) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32: what
+    `torch.tensor(x, dtype=torch.bfloat16)` holds (NaN and infinities pass through)."""
+    values = np.asarray(values, np.float32)
+    bits = values.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return np.where(np.isfinite(values), rounded.view(np.float32), values).astype(np.float32)
+
+
 def _bf16(x: float) -> float:
-    return float(torch.tensor(float(x), dtype=torch.bfloat16))
+    return float(round_bf16(x))
 
 
 def sampling_tensors(params: SamplingParams, device) -> tuple[Tensor, Tensor, Tensor]:

@@ -61,13 +61,11 @@ def start_engine(model_dir: Path, device: str, settings: Settings):
     model and its started `BatchEngine`."""
     from fish_sm.engine.batching import BatchEngine
     from fish_sm.engine.engine import freeze_start_up_objects
-    from fish_sm.serving.runtime import load_model
+    from fish_sm.serving.runtime import engine_options, load_model
 
     model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device)
     batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
-                          prefix_cache=settings.prefix_cache, codec_precision=settings.codec_precision,
-                          forced_lengths=settings.benchmark_lengths, horizon_s=settings.stream_horizon_s,
-                          step_rows=settings.step_rows)
+                          horizon_s=settings.stream_horizon_s, step_rows=settings.step_rows, **engine_options(settings))
     if model.compiled:
         phase("compile", batcher.compile)
     batcher.start()

@@ -3,7 +3,8 @@ of the model server's handler, and each engine core of the batching server (`ser
 
 - Start-up: `load_model` (verify the package, load, quantize, open the compile cache, load the
   packaged voices, each phase timed), and for the model server `start_model` (that, then a
-  one-slot batching engine, compiled, warmed up, the cache saved). `check_model_dir` (`serving/config.py`) runs before any of it.
+  one-slot batching engine, compiled, warmed up, the cache saved). `check_model_dir`
+  (`serving/config.py`) runs before any of it.
 - Requests: `resolve_reference` (a packaged voice, a zero-shot recording from the body or S3,
   encoded, or the default), `resolve_adapters` (the LoRA adapter each uses, named or implied by
   its voice), `synthesize` and `predict` on the model server's engine, and `encode_prediction`
@@ -96,12 +97,17 @@ def load_model(model_dir: Path, device: str, settings: Settings, batching: bool 
                         registry if registry.enabled else None), cache, phase
 
 
+def engine_options(settings: Settings) -> dict:
+    """The `BatchEngine` options both servers' engines take from the settings."""
+    return {"prefix_cache": settings.prefix_cache, "codec_precision": settings.codec_precision,
+            "forced_lengths": settings.benchmark_lengths}
+
+
 def start_model(model_dir: Path, device: str, settings: Settings) -> ServingModel:
     """The model server's whole start: load, a one-slot batching engine (compiled on a GPU),
     warm up, save the compile cache."""
     model, cache, phase = load_model(model_dir, device, settings)
-    options = {"codec_precision": settings.codec_precision, "prefix_cache": settings.prefix_cache,
-               "forced_lengths": settings.benchmark_lengths}
+    options = engine_options(settings)
     if model.compiled:
         phase("compile", lambda: model.engine.compile(**options))
     else:

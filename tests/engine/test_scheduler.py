@@ -10,7 +10,7 @@ import numpy as np
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.batching.request import Job, Session, Ticket
 from fish_sm.engine.batching.scheduler import Scheduler, StepRows
-from fish_sm.engine.batching.slots import round_bf16
+from fish_sm.engine.sampling import round_bf16
 
 IM_END = 99
 RATE = 20.0  # frames a second of audio

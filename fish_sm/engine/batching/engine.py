@@ -410,7 +410,7 @@ class StepStats:
         self.iterations = 0
         self.wall_s = self.wait_s = self.cpu_s = self.wait_cpu_s = self.gpu_wait_s = 0.0
         # Wall seconds by phase of an iteration: the scheduler's decisions, admissions (their
-        # sampling parameters and codec streams), prefills with first frames, the decode step
+        # codec streams opened), prefills with first frames, the decode step
         # queued (with `decoding` and `advance`), and stop checks with the codec's hand-off (less
         # the wait for the GPU's frames, `gpu_wait_s`).
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)

@@ -287,10 +287,8 @@ class ModelRunner:
 
     def _admission_shape(self, batch: int, width: int) -> tuple[int, int]:
         """The (batch, width) prompts from position 0 are padded to: a captured admission's on CUDA."""
-        if self.captured is None:
-            return batch, width
-        shape = admission_shape(batch, width, self.slots, self.max_seq_len)
-        return shape if shape in self.captured.admissions else (batch, width)
+        shape = self._group_shape(batch, width)
+        return shape if self.captured is not None and shape in self.captured.admissions else (batch, width)
 
     def _admission_inputs(self, group: list[tuple[Request, Tensor, int]]) -> tuple:
         """Tokens, positions, cache rows and last positions of the prompts' rests (after any

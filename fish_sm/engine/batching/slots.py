@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fish_sm.engine.sampling import round_bf16
 from fish_sm.kernels import noise_keys
 
 
@@ -77,11 +78,3 @@ class SlotTable:
         keys = noise_keys(self.seed[slots], self.draws[slots])
         self.draws[slots] += 1
         return keys
-
-
-def round_bf16(values: np.ndarray) -> np.ndarray:
-    """float32 values rounded to the nearest bfloat16 (ties to even), as float32: what
-    `torch.tensor(x, dtype=torch.bfloat16)` holds (NaN and infinities pass through)."""
-    bits = np.asarray(values, np.float32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return np.where(np.isfinite(values), rounded.view(np.float32), values).astype(np.float32)
