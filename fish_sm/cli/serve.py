@@ -29,7 +29,7 @@ def serve(model: Path, port: int, host: str, workers: int | None, response_timeo
     MODEL is a package directory, a plain checkpoint directory, or the model.tar.gz that
     `fish-sm package` writes (unpacked into a private temporary directory, verified against
     its manifest before anything in it is read, and removed when the server stops).
-    Settings come from FISH_SM_* environment variables (see the README).
+    Settings come from FISH_SM_* environment variables (see docs/settings.md).
     """
     from fish_sm.settings import Settings
 
