@@ -60,7 +60,7 @@ TIMED = [
     ("fish_sm.engine.batching.engine", "BatchEngine", "_retire"),  # a finished request leaves its slot
     ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_decode_next"),  # choose and decode one batch
     ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_pieces"),  # one batch of pieces through the codec
-    ("fish_sm.engine.codec_stream", "StreamingCodec", "push_many"),  # the codec's fronts and backs
+    ("fish_sm.engine.codec_stream", "StreamingCodec", "push"),  # the codec's fronts and backs
     ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_take_all"),  # messages taken in from the queue
 ]
 

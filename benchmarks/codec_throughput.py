@@ -49,12 +49,16 @@ def one_run(worker, codes: list[np.ndarray], label: str, profile: bool, top: int
     if profile:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         prof.__enter__()
+    lanes = np.array([worker.lanes.take() for _ in range(n)])
+    for lane, ticket in zip(lanes, tickets):
+        worker.open(int(lane), ticket)
+    stacked = np.stack(codes)  # [streams, C, frames]
     worker.start()
     t0 = time.perf_counter()
     for i in range(frames):
-        worker.frames([(t, c[:, i]) for t, c in zip(tickets, codes)])
-    for t, c in zip(tickets, codes):
-        worker.finish(t, [c[:, i] for i in range(frames)])
+        worker.frames(lanes, stacked[:, :, i])
+    for lane, c in zip(lanes, codes):
+        worker.finish(int(lane), [c])
     firsts = []
     for t in tickets:
         for kind, payload in t.events():
@@ -94,9 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
     codes = [rng.integers(0, 1024, size=(engine.config.num_codebooks, a.frames)) for _ in range(a.streams)]
     out = {"environment": environment(), "streams": a.streams, "frames": a.frames, "precisions": {}}
     for precision in a.precisions.split(","):
-        worker = CodecWorker(engine, a.first_piece, a.largest_piece, precision)
+        worker = CodecWorker(engine, a.first_piece, a.largest_piece, precision, lanes=a.streams)
         t0 = time.perf_counter()
-        worker.capture(pieces=12)
+        worker.capture()
         runs = out["precisions"][precision] = {"capture_s": time.perf_counter() - t0, "runs": []}
         for label in ("plain", "plain", "profiled") if cuda else ("plain", "plain"):
             r = one_run(worker, codes, label, label == "profiled", a.top)

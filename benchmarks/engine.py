@@ -37,6 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 
+import numpy as np
 import torch
 
 import fish_sm
@@ -476,24 +477,26 @@ def codec_pieces_check(engine: Engine, streams: int = 16, frames: int = 300) -> 
     graphs captured on the worker's stream), before the batching engine sizes its slots and
     dropped after: a `frames`-frame decode in scheduled pieces, its largest difference from the
     same codes decoded in one piece and its speed alone; `streams` different streams decoded
-    side by side (`push_many`), their largest difference from each decoded alone in one piece,
+    side by side (`push`), their largest difference from each decoded alone in one piece,
     and their speed: the codec's ceiling on what the batching engine turns into audio. (The
     caller hands its graphs' memory back: `release`.)"""
     from fish_sm.engine.batching import CodecWorker
-    from fish_sm.engine.codec_stream import CodecStream, decode_in_pieces
+    from fish_sm.engine.codec_stream import decode_in_pieces
 
-    worker = CodecWorker(engine, 4, 64)
-    worker.capture(pieces=12)
+    worker = CodecWorker(engine, 4, 64, lanes=streams)
+    worker.capture()
     pieces = worker.codec
     codes = torch.randint(0, 1024, (streams, engine.config.num_codebooks, frames),
                           generator=torch.Generator().manual_seed(3)).to(engine.device)
+    lanes = np.arange(streams)
 
     def side_by_side() -> torch.Tensor:
-        states, at, out = [CodecStream() for _ in range(streams)], 0, []
+        at, index, out = 0, 0, []
         while at < codes.shape[-1]:
-            n = min(pieces.next_frames(states[0]), codes.shape[-1] - at)
-            out.append(torch.cat(pieces.push_many([(s, codes[i : i + 1, :, at : at + n]) for i, s in enumerate(states)])))
-            at += n
+            n = min(pieces.next_frames(index), codes.shape[-1] - at)
+            audio = pieces.push(lanes, np.full(streams, index), codes[..., at : at + n], np.full(streams, n)).tensors()
+            out.append(torch.cat(audio))
+            at, index = at + n, index + 1
         return torch.cat(out, dim=-1)
 
     with torch.inference_mode():

@@ -1,44 +1,51 @@
-"""Streaming codec decode in pieces on a fixed schedule, many requests' pieces at once.
+"""Streaming codec decode in pieces on a fixed schedule, many streams' pieces at once, each
+stream's decoder state a row (its lane) of tensors kept on the device for good.
 
 A streamed request's audio is decoded in pieces of `first` frames, then doubling up to
 `largest` (4, 8, 16, 32, 64, 64, ...): each piece plays for longer than the next one takes
 to make, and the codec runs a few large pieces rather than many small ones.
 
-A piece goes through the codec in two halves:
-- The front (codebook sums, the windowed transformer, the 2x2 upsampling) knows where in
-  the utterance it is (RoPE positions, a KV window). The schedule is fixed, so its carried
-  state before piece k has the same shapes and positions for every request: the fronts of
-  several requests' piece k stack into one batch, and on CUDA piece k is a CUDA graph per
-  batch size (copy the requests' states in, replay, copy the new states out) instead of a
-  few hundred kernel launches per request. Full-length pieces (after a stream's first)
-  stack whatever their index (`FullFronts`: positions are a graph input, caches padded to
-  the window), so one graph per batch size serves all of them.
-- The back (the conv decoder up to 44.1 kHz, ~90% of the codec's work) is the same at
-  every position: its only state is each conv's last inputs. Pieces of the same length
-  from different requests are stacked into one batch of at most `max_batch_frames`
-  frames, which the GPU runs 2-4x faster per frame than one at a time, and on CUDA it is
-  compiled (inductor fuses the Snake activations and residual adds that eager mode runs
-  as ~600 separate kernels).
+A piece goes through the codec in two halves, each a function of (lanes, positions, inputs)
+that gathers its lanes' state, runs, and returns the new state:
+- The front (codebook sums, the window-limited transformer, the 2x2 upsampling) runs each
+  row at its own position (`Transformer._rows`). Its transformer keeps the last `window - 1`
+  keys and values of every lane in a ring (`FrontState`), read back in order, so a batch of
+  fronts of one piece length serves streams at any point of their utterances, a stream's
+  first piece included (its keys before position 0 are masked).
+- The back (the conv decoder up to 44.1 kHz, ~90% of the codec's work) carries each conv's
+  last inputs (`ContextPool`). Pieces of the same length are stacked into one batch of at
+  most `max_batch_frames` frames, which the GPU runs 2-4x faster per frame than one at a
+  time; on CUDA it is compiled (inductor fuses the Snake activations and residual adds that
+  eager mode runs as ~600 separate kernels).
+On CUDA each batch size and length of either half is a CUDA graph, gathers and all: a batch
+of pieces costs a few copies and replays, never work per stream on the host. New states are
+written back to the lanes (`commit`) once the whole batch has run, so a batch that fails
+leaves every stream as it was, to be retried.
+
 A stream's last piece, when shorter than its scheduled length, has its front padded to it
-(the front's graph for that index) and its back run over the shortest scheduled length that
-holds it (a captured graph too), not the whole scheduled length: the decoder is causal, so
-the samples kept are those it would give alone.
+and its back run over the shortest scheduled length that holds it, not the whole scheduled
+length: the decoder is causal, so the samples kept are those it would give alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fish_sm.engine.generate import batch_sizes
+from fish_sm.engine.generate import HostCopy, batch_sizes, to_device
+from fish_sm.errors import FishSMError
 from fish_sm.model.codec import Codec
 from fish_sm.model.codec.layers import CausalConv1d, CausalConvTranspose1d, KVCache, State
+
+POSITIONS = 1 << 15  # code frames a stream may last (~25 minutes): the front's RoPE table, sized once
 
 
 def piece_frames(index: int, first: int, largest: int) -> int:
@@ -46,64 +53,13 @@ def piece_frames(index: int, first: int, largest: int) -> int:
     return min(first << min(index, 30), largest)
 
 
-@dataclass
-class CodecStream:
-    """One request's place in the schedule and its decoder state: the front's carried
-    context (`state`) and the back's (`back`: each stateful conv's, in `ConvBack` order)."""
-
-    state: State = field(default_factory=dict)
-    back: Optional[list[Tensor]] = None
-    pieces: int = 0
-
-    def snapshot(self) -> "CodecStream":
-        """A copy to go back to if a decode fails. It shares the tensors: decoding replaces
-        them (and the dict and caches holding them), never writes into them."""
-        layout, tensors = _flatten(self.state)
-        return CodecStream(_rebuild(layout, tensors), self.back, self.pieces)
-
-
-def _flatten(state: State) -> tuple[list, list[Tensor]]:
-    """The state's layout and its tensors in a fixed order (the layout rebuilds it)."""
-    layout, tensors = [], []
-    for module, value in state.items():
-        if isinstance(value, Tensor):
-            layout.append((module, None))
-            tensors.append(value)
-        else:  # a transformer: (next position, per-layer KV caches)
-            start, caches = value
-            layout.append((module, (start, [c.keep for c in caches])))
-            for c in caches:
-                tensors += [c.k, c.v]
-    return layout, tensors
-
-
-def _rebuild(layout: list, tensors: list[Tensor]) -> State:
-    state, it = {}, iter(tensors)
-    for module, spec in layout:
-        if spec is None:
-            state[module] = next(it)
-            continue
-        start, keeps = spec
-        caches = []
-        for keep in keeps:
-            cache = KVCache(keep)
-            cache.k, cache.v = next(it), next(it)
-            caches.append(cache)
-        state[module] = (start, caches)
-    return state
-
-
-def _stack(streams: list[CodecStream]) -> State:
-    """The states of streams at the same piece index as one state of that many rows."""
-    layout, _ = _flatten(streams[0].state)
-    return _rebuild(layout, [torch.cat(rows) for rows in zip(*(_flatten(s.state)[1] for s in streams))])
-
-
-def _unstack(state: State, streams: list[CodecStream]) -> None:
-    """Each stream's row of a stacked state back into the stream (views of the stacked tensors)."""
-    layout, tensors = _flatten(state)
-    for i, stream in enumerate(streams):
-        stream.state = _rebuild(layout, [t[i : i + 1] for t in tensors])
+def piece_start(index: int, first: int, largest: int) -> int:
+    """Frames of a stream before its piece `index`."""
+    start, i = 0, 0
+    while i < index and (first << i) < largest:
+        start += first << i
+        i += 1
+    return start + (index - i) * largest
 
 
 class Captures:
@@ -144,189 +100,148 @@ def backend_flag(backend, name: str, value):
         setattr(backend, name, before)
 
 
-def _captured_decode(codec: Codec, codes: Tensor, state: State, warm_up: State, captures: Captures) -> tuple:
-    """`codec.decode_front(codes, state)` captured as a CUDA graph, after one run outside
-    it on `warm_up`, a copy of the state (cuDNN plans, workspaces): (graph, its latents);
-    `state` then holds the graph's output state."""
-    device = codes.device
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with captures.matmuls():
-        with torch.cuda.stream(side):
-            codec.decode_front(codes, warm_up)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with captures.graph(graph):
-            latents = codec.decode_front(codes, state)
-    return graph, latents
-
-
-class PieceGraph:
-    """Piece k's front for up to `rows` streams as one CUDA graph: static codes and state
-    in, latents and state out (spare rows run on stale inputs; their results are dropped)."""
-
-    def __init__(self, codec: Codec, template: State, frames: int, rows: int, captures: Captures):
-        device = codec.device
-        self.layout, inputs = _flatten(template)
-        self.inputs = [t.expand(rows, *t.shape[1:]).clone() for t in inputs]
-        self.codes = torch.zeros(rows, codec.n_rows, frames, dtype=torch.long, device=device)
-        state = _rebuild(self.layout, self.inputs)
-        self.graph, self.latents = _captured_decode(codec, self.codes, state,
-                                                    _rebuild(self.layout, [t.clone() for t in self.inputs]), captures)
-        self.out_layout, self.outputs = _flatten(state)
-
-    def __call__(self, streams: list[CodecStream], codes: Tensor) -> Tensor:
-        """codes [b, rows, frames] of b <= `rows` streams -> their latents [b, ...]; their states move on."""
-        b = len(streams)
-        if self.inputs:
-            for i, stream in enumerate(streams):
-                torch._foreach_copy_([t[i : i + 1] for t in self.inputs], _flatten(stream.state)[1])
-        self.codes[:b].copy_(codes)
-        self.graph.replay()
-        # Copies: the next replay overwrites the graph's outputs.
-        _unstack(_rebuild(self.out_layout, torch._foreach_mul([t[:b] for t in self.outputs], 1)), streams)
-        return self.latents[:b].clone()
-
-
-def _split(state: State) -> tuple[list, list[Tensor]]:
-    """A state's transformer positions and its tensors, each KV cache padded on the left to
-    the window it keeps (what `Transformer._rows` takes: the padding is masked out)."""
-    starts, tensors = [], []
-    for value in state.values():
-        if isinstance(value, Tensor):
-            tensors.append(value)
-            continue
-        start, caches = value
-        starts.append(start)
-        for c in caches:
-            pad = c.keep - len(c)
-            tensors += [F.pad(c.k, (0, 0, pad, 0)), F.pad(c.v, (0, 0, pad, 0))] if pad else [c.k, c.v]
-    return starts, tensors
-
-
-def _assemble(like: State, starts: list, tensors: list[Tensor]) -> State:
-    """A state laid out like `like` from positions and tensors in `_split`'s order."""
-    state, positions, it = {}, iter(starts), iter(tensors)
-    for module, value in like.items():
-        if isinstance(value, Tensor):
-            state[module] = next(it)
-            continue
-        caches = []
-        for c in value[1]:
-            cache = KVCache(c.keep)
-            cache.k, cache.v = next(it), next(it)
-            caches.append(cache)
-        state[module] = (next(positions), caches)
-    return state
-
-
-class FullFronts:
-    """The fronts of full-length pieces at any piece index, up to `rows` streams at once.
-
-    After a stream's first piece, a full-length piece's front does the same work wherever
-    it falls in the utterance but for its positions, and its transformer's KV caches never
-    outgrow the window. So each row's positions are an input (`Transformer._rows`) and a
-    cache not yet full is padded on the left (masked): streams at different indices share
-    a batch, and on CUDA one graph per batch size serves every index, where fronts run one
-    stream at a time would take much of the codec's GPU time."""
-
-    POSITIONS = 1 << 15  # frames the RoPE tables are sized for (~25 minutes); later pieces run alone
-
-    def __init__(self, codec: Codec, frames: int, rows: int, captures: Optional[Captures]):
-        self.codec, self.frames, self.rows, self.captures = codec, frames, rows, captures
-        self.use_graphs = captures is not None
-        self.usable = codec.front_state_bounded()
-        if self.usable:
-            codec.front_rope(self.POSITIONS)  # sized once, before any graph reads it
-        self.graphs: dict[int, RowsGraph] = {}
-
-    def takes(self, stream: CodecStream, frames: int) -> bool:
-        if not self.usable or frames != self.frames or stream.pieces == 0:
-            return False
-        return all(v[0] + frames <= self.POSITIONS for v in stream.state.values() if not isinstance(v, Tensor))
-
-    def __call__(self, streams: list[CodecStream], codes: Tensor) -> Tensor:
-        """codes [b, rows, frames] of b <= `rows` streams -> their latents; their states move on."""
-        rows = [_split(s.state) for s in streams]
-        if self.use_graphs:
-            latents, outputs = self.graph(len(streams), streams[0].state)(rows, codes)
-        else:
-            device = codes.device
-            starts = [torch.tensor(col, device=device) for col in zip(*(r[0] for r in rows))]
-            state = _assemble(streams[0].state, starts, [torch.cat(col) for col in zip(*(r[1] for r in rows))])
-            latents = self.codec.decode_front(codes, state)
-            outputs = _split(state)[1]
-        for i, stream in enumerate(streams):
-            stream.state = self._moved_on(stream.state, [t[i : i + 1] for t in outputs])
-        return latents
-
-    def _moved_on(self, state: State, row: list[Tensor]) -> State:
-        """The state after this piece from its row of the outputs: positions advance, and each
-        cache keeps what it really holds (no more than the window, none of the padding)."""
-        new, it = {}, iter(row)
-        for module, value in state.items():
-            if isinstance(value, Tensor):
-                new[module] = next(it)
-                continue
-            start, caches = value
-            fresh = []
-            for c in caches:
-                n = min(c.keep, len(c) + self.frames)
-                cache = KVCache(c.keep)
-                cache.k, cache.v = next(it)[:, :, -n:], next(it)[:, :, -n:]
-                fresh.append(cache)
-            new[module] = (start + self.frames, fresh)
-        return new
-
-    def graph(self, batch: int, like: State) -> "RowsGraph":
-        """The graph for `batch` streams: the smallest captured size that holds them."""
-        rows = min(r for r in batch_sizes(self.rows) if r >= batch)
-        if rows not in self.graphs:
-            self.graphs[rows] = RowsGraph(self.codec, like, self.frames, rows, self.captures)
-        return self.graphs[rows]
-
-
-class RowsGraph:
-    """`FullFronts` for up to `rows` streams as one CUDA graph: positions, padded caches and
-    codes in; latents and states out (spare rows run on stale inputs; their results are dropped)."""
-
-    def __init__(self, codec: Codec, like: State, frames: int, rows: int, captures: Captures):
-        device = codec.device
-        template = {}
-        for module, value in like.items():
-            if isinstance(value, Tensor):
-                template[module] = value.new_zeros(rows, *value.shape[1:])
-                continue
-            caches = []
-            for c in value[1]:
-                cache = KVCache(c.keep)
-                cache.k, cache.v = (t.new_zeros(rows, t.shape[1], c.keep, t.shape[3]) for t in (c.k, c.v))
-                caches.append(cache)
-            template[module] = (torch.zeros(rows, dtype=torch.long, device=device), caches)
-        self.like = template
-        self.starts, self.inputs = _split(template)
-        self.codes = torch.zeros(rows, codec.n_rows, frames, dtype=torch.long, device=device)
-        state = _assemble(template, self.starts, self.inputs)
-        warm_up = _assemble(template, [t.clone() for t in self.starts], [t.clone() for t in self.inputs])
-        self.graph, self.latents = _captured_decode(codec, self.codes, state, warm_up, captures)
-        self.outputs = _split(state)[1]
-        # The RoPE table it reads, kept alive should the transformer regrow its own.
-        self.table = codec.front_rope(FullFronts.POSITIONS)
-
-    def __call__(self, rows: list[tuple[list, list[Tensor]]], codes: Tensor) -> tuple[Tensor, list[Tensor]]:
-        b = len(rows)
-        torch._foreach_copy_([t[i : i + 1] for i in range(b) for t in self.inputs], [t for r in rows for t in r[1]])
-        for j, start in enumerate(self.starts):  # pinned, asynchronous: no wait on the GPU (see to_device)
-            start[:b].copy_(torch.tensor([r[0][j] for r in rows], pin_memory=True), non_blocking=True)
-        self.codes[:b].copy_(codes)
-        self.graph.replay()
-        # Copies: the next replay overwrites the graph's outputs.
-        return self.latents[:b].clone(), torch._foreach_mul([t[:b] for t in self.outputs], 1)
-
-
 def cudnn_benchmark():
     """cuDNN's benchmark mode, for this block only."""
     return backend_flag(torch.backends.cudnn, "benchmark", True)
+
+
+class Replay:
+    """`fn(*inputs)` captured as one CUDA graph over static inputs, after one run outside it
+    (compiling, cuDNN plans, workspaces). A call copies its values into the first rows of
+    the inputs and replays; the outputs are the graph's own, valid until its next replay."""
+
+    def __init__(self, fn: Callable, inputs: list[Tensor], captures: Captures, flags=None):
+        self.inputs = inputs
+        with (flags or contextlib.nullcontext)():
+            device = inputs[0].device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                fn(*inputs)
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with captures.graph(self.graph):
+                self.outputs = fn(*inputs)
+
+    def __call__(self, *values: Tensor):
+        torch._foreach_copy_([x[: v.shape[0]] for x, v in zip(self.inputs, values)], list(values))
+        self.graph.replay()
+        return self.outputs
+
+
+class ContextPool:
+    """Each stateful conv's carried inputs for every lane: a tensor a conv, a row a lane (and
+    a scratch row last, that padding rows read and write). A stream's first piece reads zeros,
+    exactly the zero padding of its start."""
+
+    def __init__(self, shapes: list[tuple], dtypes: list[torch.dtype], device: torch.device, channels_last: bool = False):
+        self.shapes, self.dtypes, self.device, self.channels_last = shapes, dtypes, device, channels_last
+        self.tensors: list[Tensor] = []
+
+    def row_bytes(self) -> int:
+        return sum(int(np.prod(s)) * torch.finfo(d).bits // 8 for s, d in zip(self.shapes, self.dtypes))
+
+    def allocate(self, rows: int) -> None:
+        self.tensors = [torch.zeros(rows, *s, dtype=d, device=self.device) for s, d in zip(self.shapes, self.dtypes)]
+        if self.channels_last:
+            self.tensors = [t.contiguous(memory_format=torch.channels_last) for t in self.tensors]
+
+    def gather(self, lanes: Tensor, fresh: Tensor) -> list[Tensor]:
+        out = []
+        for t in self.tensors:
+            rows = torch.where(fresh.view(-1, *[1] * (t.dim() - 1)), 0, t[lanes])
+            out.append(rows.contiguous(memory_format=torch.channels_last) if self.channels_last else rows)
+        return out
+
+    def commit(self, lanes: Tensor, values: list[Tensor]) -> None:
+        for t, v in zip(self.tensors, values):
+            t.index_copy_(0, lanes, v)
+
+
+class FrontState:
+    """The front's state for every lane: its transformer's last `keep` keys and values per
+    layer in a ring (position p in slot p % keep), and its stateful convs' carried inputs."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        post = codec.quantizer.post_module
+        if post is not None and post.window is None:
+            raise FishSMError("the codec's transformer attends over whole utterances: it cannot be streamed in lanes")
+        self.post = post
+        self.keep = 0 if post is None else post.window - 1
+        device = codec.device
+        # The layout: one piece through the front with a rows state, from which each conv's context shape is read.
+        state: dict = {}
+        if post is not None:
+            attention = post.layers[0].attention
+            self.heads, self.head_dim = attention.n_head, attention.head_dim
+            state[post] = (torch.zeros(1, dtype=torch.long, device=device), self._caches(1))
+        with torch.inference_mode():
+            codec.decode_front(torch.zeros(1, codec.n_rows, 1, dtype=torch.long, device=device), state)
+        self.convs = [m for m in state if m is not post]
+        self.contexts = ContextPool([tuple(state[m].shape[1:]) for m in self.convs], [state[m].dtype for m in self.convs],
+                                    device)
+        self.layers = 0 if post is None else len(post.layers)
+        self.rings: list[tuple[Tensor, Tensor]] = []  # per layer: keys, values [lanes * keep, heads, head_dim]
+
+    def _caches(self, rows: int) -> list[KVCache]:
+        caches = []
+        for _ in range(len(self.post.layers)):
+            cache = KVCache(self.keep)
+            cache.k, cache.v = (self.codec.decoder.model[0].conv.weight.new_zeros(rows, self.heads, self.keep, self.head_dim)
+                                for _ in range(2))
+            caches.append(cache)
+        return caches
+
+    def row_bytes(self) -> int:
+        if self.post is None:
+            return self.contexts.row_bytes()
+        ring = 2 * self.layers * self.keep * self.heads * self.head_dim
+        return self.contexts.row_bytes() + ring * torch.finfo(self.codec.dtype).bits // 8
+
+    def allocate(self, rows: int) -> None:
+        self.contexts.allocate(rows)
+        if self.post is not None:
+            p = self.codec.decoder.model[0].conv.weight
+            self.rings = [tuple(p.new_zeros(rows * self.keep, self.heads, self.head_dim) for _ in range(2))
+                          for _ in range(self.layers)]
+            self.offsets = torch.arange(-self.keep, 0, device=p.device)
+
+    def gather(self, lanes: Tensor, starts: Tensor) -> State:
+        """The state of these lanes at these positions (each lane's cache in order, oldest first)."""
+        state = dict(zip(self.convs, self.contexts.gather(lanes, starts == 0)))
+        if self.post is not None:
+            slots = (lanes[:, None] * self.keep + (starts[:, None] + self.offsets) % self.keep).flatten()
+            caches = []
+            for k, v in self.rings:
+                cache = KVCache(self.keep)
+                cache.k, cache.v = (t[slots].view(len(lanes), self.keep, self.heads, self.head_dim).transpose(1, 2)
+                                    for t in (k, v))
+                caches.append(cache)
+            state[self.post] = (starts, caches)
+        return state
+
+    def outputs(self, state: State, frames: int) -> list[Tensor]:
+        """What a piece of `frames` frames changed: each conv's new context, then each layer's
+        newest keys and values (as many as the ring keeps)."""
+        out = [state[m] for m in self.convs]
+        if self.post is not None:
+            newest = min(frames, self.keep)
+            for cache in state[self.post][1]:
+                out += [cache.k[:, :, -newest:], cache.v[:, :, -newest:]]
+        return out
+
+    def commit(self, lanes: Tensor, starts: Tensor, frames: int, values: list[Tensor]) -> None:
+        n = len(self.convs)
+        self.contexts.commit(lanes, values[:n])
+        if self.post is None:
+            return
+        newest = min(frames, self.keep)
+        at = starts[:, None] + (frames - newest) + torch.arange(newest, device=starts.device)
+        slots = (lanes[:, None] * self.keep + at % self.keep).flatten()
+        for (k, v), new_k, new_v in zip(self.rings, values[n::2], values[n + 1 :: 2]):
+            k.index_copy_(0, slots, new_k.transpose(1, 2).reshape(-1, self.heads, self.head_dim))
+            v.index_copy_(0, slots, new_v.transpose(1, 2).reshape(-1, self.heads, self.head_dim))
 
 
 class ConvBack(nn.Module):
@@ -334,10 +249,8 @@ class ConvBack(nn.Module):
     of different requests share one batch, and lets inductor compile it once for any batch
     and piece length. A zero context is exactly the zero padding of a stream's start.
 
-    On CUDA, (rows, length) pairs captured by `capture` replay as graphs (a batch runs in
-    the smallest captured row count that holds it; the spare rows' results are dropped):
-    the compiled code's own launches would hold the GIL the decode loop needs. On CUDA it
-    also runs over channels-last [B, C, 1, T] tensors (`conv_2d`), which cuDNN reads as they are."""
+    On CUDA it runs over channels-last [B, C, 1, T] tensors (`conv_2d`), which cuDNN reads as
+    they are, and its (rows, length) pairs are captured as graphs by `StreamingCodec`."""
 
     def __init__(self, codec: Codec, compiled: bool, channels_last: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
@@ -359,9 +272,9 @@ class ConvBack(nn.Module):
         self.stateful = [m for m in self.decoder.modules() if m in template]
         self.shapes = [tuple(template[m].shape[1:]) for m in self.stateful]
         self.dtypes = [template[m].dtype for m in self.stateful]  # not all one under autocast
+        self.contexts = ContextPool(self.shapes, self.dtypes, codec.device, channels_last)
         self.compiled = torch.compile(self._step) if compiled else None
         self.warmed = False  # after start-up, a shape the compiled code has not seen runs eagerly
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, length) -> graph, inputs, outputs
 
     def initial(self, rows: int = 1) -> list[Tensor]:
         """The context before a stream's first piece, for `rows` streams."""
@@ -381,58 +294,72 @@ class ConvBack(nn.Module):
         audio = self.decoder(self._layout(latents.to(self.dtype)), state).flatten(1)
         return audio.to(self.audio_dtype), [state[m] for m in self.stateful]
 
-    def capture(self, rows: int, frames: int, captures: Captures) -> None:
-        """A graph for `rows` pieces of `frames` code frames (after the compiled code has run them).
-
-        cuDNN picks each conv's kernel by timing its candidates (benchmark mode) in the run
-        before the capture, which the capture then finds in its cache: its heuristics' picks
-        for these channels-last shapes were slower, worth the longer start-up."""
-        latents, contexts = self.silence(rows, frames), self.initial(rows)
-        with cudnn_benchmark():
-            self._run(latents, contexts)  # compiled for this shape, and warmed up, outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with captures.graph(graph):
-                audio, new = self._run(latents, contexts)
-        self.graphs[(rows, latents.shape[-1])] = (graph, latents, contexts, audio, new)
-
-    def forward(self, latents: Tensor, contexts: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-        """latents [B, latent_dim, T], contexts [B, ...] each -> audio [B, samples], new contexts."""
-        b, length = latents.shape[0], latents.shape[-1]
-        fits = [rows for rows, n in self.graphs if n == length and rows >= b]
-        if fits:
-            graph, static_latents, static_contexts, audio, new = self.graphs[(min(fits), length)]
-            torch._foreach_copy_([static_latents[:b]] + [c[:b] for c in static_contexts],
-                                 [latents.to(self.dtype), *contexts])
-            graph.replay()
-            return audio[:b].clone(), [c[:b].clone() for c in new]
-        return self._run(latents, contexts)
-
-    def _run(self, latents: Tensor, contexts: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def run(self, latents: Tensor, contexts: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """latents [B, latent_dim, T], contexts [B, ...] each -> audio [B, samples], new contexts:
+        compiled where it is (one compiled graph for every batch size and piece length)."""
         if self.compiled is None:
             return self._step(latents, contexts)
-        for t in (latents, *contexts):  # one compiled graph for every batch size,
+        for t in (latents, *contexts):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(latents, 2)  # and every piece length (a few range guards)
+        torch._dynamo.maybe_mark_dynamic(latents, 2)  # (a few range guards)
         if not self.warmed:
             return self.compiled(latents, contexts)
         with torch.compiler.set_stance("eager_on_recompile"):  # never a compile while serving
             return self.compiled(latents, contexts)
 
+    def lanes(self, lanes: Tensor, starts: Tensor, latents: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """`run` over these lanes' contexts (zeros where a stream starts)."""
+        return self.run(latents, self.contexts.gather(lanes, starts == 0))
+
+
+@dataclass
+class _Ran:
+    """A batch of one half that ran: its lanes and positions, and the new state to commit."""
+
+    lanes: Tensor
+    starts: Tensor
+    frames: int
+    state: list[Tensor]
+
+
+class Pieces:
+    """A batch's audio: each back batch's [rows, samples] on the device, with the rows of
+    the batch it holds and each row's length in samples."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.parts: list[tuple[np.ndarray, Tensor, np.ndarray]] = []
+
+    def tensors(self) -> list[Tensor]:
+        """Each piece's audio [1, samples], in order (views on the device)."""
+        out: list[Optional[Tensor]] = [None] * self.count
+        for rows, audio, lengths in self.parts:
+            for i, (row, n) in enumerate(zip(rows, lengths)):
+                out[row] = audio[i : i + 1, :n]
+        return out
+
+    def host(self) -> list[np.ndarray]:
+        """Each piece's audio as float32 samples, in order: one copy to the host a back batch."""
+        copies = [(rows, HostCopy(audio), lengths) for rows, audio, lengths in self.parts]
+        out: list[Optional[np.ndarray]] = [None] * self.count
+        for rows, copy_, lengths in copies:
+            audio = copy_.get().numpy()
+            for i, (row, n) in enumerate(zip(rows, lengths)):
+                out[row] = audio[i, :n].copy()  # (the pinned block back at once)
+        return out
+
 
 class StreamingCodec:
-    """Decodes streams piece by piece. `push_many` stacks the fronts of pieces at the same
-    index, those of full-length pieces at any index, and the backs of same-length pieces, at
-    most `max_batch_frames` frames a batch (bounded so that a request's first piece never
-    waits long behind one batch). On CUDA the fronts replay captured graphs (captured the
-    first time a piece index, or full length, and batch size are reached; for at most
-    `max_graphs` piece indices) and the back is compiled and captured."""
+    """Decodes streams piece by piece, each stream in a lane (a row of the state tensors,
+    `allocate`). `push` takes one piece each of several lanes: their fronts batched by
+    scheduled length, their backs by the length they run over, at most `max_batch_frames`
+    frames a batch (bounded so that a request's first piece never waits long behind one
+    batch). On CUDA both halves replay graphs captured by `capture`."""
 
-    def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_graphs: int = 48,
-                 max_batch_frames: int = 512, back_dtype: torch.dtype | None = None, front_tf32: bool = True):
-        self.codec, self.first, self.largest, self.max_graphs = codec, first, largest, max_graphs
+    def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_batch_frames: int = 512,
+                 back_dtype: torch.dtype | None = None, front_tf32: bool = True, lanes: int = 0):
+        self.codec, self.first, self.largest = codec, first, largest
         self.max_batch_frames = max_batch_frames
-        self.max_rows = self.rows_for(largest)  # full-length pieces in one batch
-        self.graphs: dict[tuple[int, int], PieceGraph] = {}  # (piece index, rows) -> its front
         self.use_graphs = codec.device.type == "cuda"
         # Its own stream and pool (`Captures`); TF32 fronts: faster, at ~51 dB SNR against float32.
         self.front_tf32 = front_tf32  # (on CUDA: the CPU captures no graphs)
@@ -443,19 +370,27 @@ class StreamingCodec:
             fp32 = codec.dtype == torch.float32
             back_dtype = torch.float16 if self.use_graphs and fp32 else codec.dtype
         self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype)
-        self.full = FullFronts(codec, largest, self.max_rows, self.captures)
+        codec.front_rope(POSITIONS)  # sized once, before any graph reads it
+        self.front = FrontState(codec)
+        # Scheduled lengths, and the frames before each piece while they double (`starts`).
+        self.scheduled = np.array(self.lengths(), np.int64)
+        self._doubling = int(np.sum(self.scheduled < largest))
+        self._starts = np.array([piece_start(i, first, largest) for i in range(self._doubling + 1)], np.int64)
+        self.fronts: dict[tuple[int, int], Replay] = {}  # (frames, rows) -> graph
+        self.backs: dict[tuple[int, int], Replay] = {}
+        self.lanes = 0
+        if lanes:
+            self.allocate(lanes)
+
+    # -- the schedule -------------------------------------------------------------------
 
     def rows_for(self, frames: int) -> int:
-        """Pieces of `frames` frames that go through the back in one batch."""
+        """Pieces of `frames` frames that go through either half in one batch."""
         return max(1, self.max_batch_frames // frames)
 
-    def front_rows(self, index: int) -> int:
-        """Pieces at `index` whose fronts run as one batch."""
-        frames = piece_frames(index, self.first, self.largest)
-        return self.rows_for(frames) if frames < self.largest else 1
-
-    def next_frames(self, stream: CodecStream) -> int:
-        return piece_frames(stream.pieces, self.first, self.largest)
+    def next_frames(self, pieces: int) -> int:
+        """Frames in a stream's next piece, after `pieces` of them."""
+        return piece_frames(pieces, self.first, self.largest)
 
     def back_frames(self, frames: int) -> int:
         """The shortest scheduled piece length that holds `frames` frames (a last piece's back)."""
@@ -464,77 +399,118 @@ class StreamingCodec:
             n = min(2 * n, self.largest)
         return n
 
-    def push(self, stream: CodecStream, codes: Tensor) -> Tensor:
-        """codes [1, rows, n] (n = next_frames, or fewer for the last piece) -> audio [1, n * frame_length]."""
-        return self.push_many([(stream, codes)])[0]
+    def lengths(self) -> list[int]:
+        """Every scheduled piece length."""
+        return sorted({piece_frames(i, self.first, self.largest) for i in range(32)})
+
+    # -- lanes ---------------------------------------------------------------------------
+
+    def lane_bytes(self) -> int:
+        """Device memory a lane's state takes."""
+        return self.front.row_bytes() + self.back.contexts.row_bytes()
+
+    def allocate(self, lanes: int) -> None:
+        """State for `lanes` streams at once (lanes 0..lanes-1), and a scratch lane."""
+        self.lanes = lanes
+        self.front.allocate(lanes + 1)
+        self.back.contexts.allocate(lanes + 1)
+
+    # -- decoding ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def push_many(self, pieces: list[tuple[CodecStream, Tensor]]) -> list[Tensor]:
-        """One piece each of different streams -> their audio, in order. A stream's last piece
-        may be shorter than scheduled: its front is padded to the scheduled length and runs with
-        the others, its back runs over `back_frames` of it (the decoder is causal, so the samples
-        kept are those it would give alone), and its audio is cut back: last pieces of streams
-        that end together run as one batch, not one after another ahead of new requests'."""
-        frames = [codes.shape[-1] for _, codes in pieces]
-        scheduled = [self.next_frames(stream) for stream, _ in pieces]
-        pieces = [(stream, F.pad(codes, (0, s - n))) for (stream, codes), n, s in zip(pieces, frames, scheduled)]
-        latents = self._fronts(pieces)
-        steps = self.back.steps
-        latents = [z if n == s else z[..., : steps * self.back_frames(n)] for z, n, s in zip(latents, frames, scheduled)]
-        audio: list[Optional[Tensor]] = [None] * len(pieces)
-        by_length: dict[int, list[int]] = {}
-        for i, z in enumerate(latents):
-            by_length.setdefault(z.shape[-1], []).append(i)
-        for length, group in by_length.items():
-            most = self.rows_for(length // steps)
-            for at in range(0, len(group), most):
-                batch = group[at : at + most]
-                streams = [pieces[i][0] for i in batch]
-                contexts = [s.back if s.back is not None else self.back.initial() for s in streams]
-                out, new = self.back(torch.cat([latents[i] for i in batch]), [torch.cat(c) for c in zip(*contexts)])
-                for row, (i, s) in enumerate(zip(batch, streams)):
-                    audio[i] = out[row : row + 1, : frames[i] * self.codec.frame_length]
-                    s.back = [c[row : row + 1] for c in new]
-        return audio
+    def push(self, lanes: np.ndarray, pieces: np.ndarray, codes: Tensor, frames: np.ndarray) -> Pieces:
+        """One piece each of different lanes -> their audio (`Pieces`). `pieces`: each lane's
+        piece index (pieces it has had since its stream began: 0 starts afresh); `codes`
+        [rows, 1 + C, n] on the codec's device, row i's first `frames[i]` frames the piece (fewer
+        than scheduled for a stream's last piece). Each lane's state moves on by one piece, but
+        only once every batch has run: if this raises, every lane is as it was."""
+        lanes, pieces, frames = (np.asarray(a, np.int64) for a in (lanes, pieces, frames))
+        if lanes.size and (lanes.min() < 0 or lanes.max() >= self.lanes):
+            raise ValueError(f"lanes must be in [0, {self.lanes}), got {lanes.tolist()}")
+        scheduled = np.minimum(self.first << np.minimum(pieces, 30), self.largest)
+        d = self._doubling
+        starts = np.where(pieces <= d, self._starts[np.minimum(pieces, d)], self._starts[d] + (pieces - d) * self.largest)
+        if (starts + scheduled > POSITIONS).any():
+            raise FishSMError(f"a stream's audio is longer than the codec streams ({POSITIONS} frames)")
+        codes = codes.long()
+        if codes.shape[-1] < scheduled.max(initial=0):
+            codes = F.pad(codes, (0, int(scheduled.max()) - codes.shape[-1]))
+        ran: list[tuple[Callable, _Ran]] = []
+        latents, order = [], []
+        for n in np.unique(scheduled):
+            n = int(n)
+            members = np.flatnonzero(scheduled == n)
+            for at in range(0, len(members), self.rows_for(n)):
+                rows = members[at : at + self.rows_for(n)]
+                z, done = self._fronts(n, lanes[rows], starts[rows], codes[rows, :, :n])
+                latents.append(z)
+                order.append(rows)
+                ran.append((self.front.commit, done))
+        longest = max(z.shape[-1] for z in latents)  # (backs read no further than their own fronts)
+        z = torch.cat([F.pad(z, (0, longest - z.shape[-1])) for z in latents]) if len(latents) > 1 else latents[0]
+        where = np.empty(len(lanes), np.int64)
+        where[np.concatenate(order)] = np.arange(len(lanes))
+        out = Pieces(len(lanes))
+        backs = self.scheduled[np.minimum(np.searchsorted(self.scheduled, frames), len(self.scheduled) - 1)]
+        steps, frame_length = self.back.steps, self.codec.frame_length
+        for n in np.unique(backs):
+            n = int(n)
+            members = np.flatnonzero(backs == n)
+            for at in range(0, len(members), self.rows_for(n)):
+                rows = members[at : at + self.rows_for(n)]
+                index = torch.from_numpy(where[rows]).to(z.device)
+                audio, done = self._backs(n, lanes[rows], starts[rows], z.index_select(0, index)[..., : n * steps])
+                out.parts.append((rows, audio, frames[rows] * frame_length))
+                ran.append((self._commit_back, done))
+        for commit, done in ran:
+            commit(done.lanes, done.starts, done.frames, done.state)
+        return out
 
-    def _fronts(self, pieces: list[tuple[CodecStream, Tensor]]) -> list[Tensor]:
-        """The fronts' latents, in order: pieces (of the scheduled length) at the same index
-        stack, and full-length ones at any index (`FullFronts`)."""
-        device = self.codec.device
-        latents: list[Optional[Tensor]] = [None] * len(pieces)
-        groups: dict[Optional[int], list[int]] = {}  # piece index -> pieces; None: full-length ones
-        for i, (stream, codes) in enumerate(pieces):
-            groups.setdefault(None if self.full.takes(stream, codes.shape[-1]) else stream.pieces, []).append(i)
-        for index, members in groups.items():
-            most = self.max_rows if index is None else self.front_rows(index)
-            for at in range(0, len(members), most):
-                batch = members[at : at + most]
-                streams = [pieces[i][0] for i in batch]
-                z = self._front(index, streams, torch.cat([pieces[i][1] for i in batch]).to(device).long())
-                for row, (i, stream) in enumerate(zip(batch, streams)):
-                    latents[i] = z[row : row + 1]
-                    stream.pieces += 1
-        return latents
+    def _commit_back(self, lanes: Tensor, starts: Tensor, frames: int, values: list[Tensor]) -> None:
+        self.back.contexts.commit(lanes, values)
 
-    def _front(self, index: Optional[int], streams: list[CodecStream], codes: Tensor) -> Tensor:
-        """One batch of fronts: full-length (`index` None), a captured graph's, or eager."""
-        if index is None:
-            return self.full(streams, codes)
-        if self.use_graphs and index < self.max_graphs:
-            return self._graph(index, len(streams), streams[0].state)(streams, codes)
-        state = _stack(streams)
-        z = self.codec.decode_front(codes, state)
-        _unstack(state, streams)
-        return z
+    def _inputs(self, lanes: np.ndarray, starts: np.ndarray, rows: int) -> tuple[Tensor, Tensor]:
+        """Lanes and positions on the device, padded to `rows` with the scratch lane."""
+        spare = rows - len(lanes)
+        both = np.stack([np.concatenate([lanes, np.full(spare, self.lanes)]), np.concatenate([starts, np.zeros(spare, np.int64)])])
+        both = to_device(torch.from_numpy(both), self.codec.device)
+        return both[0], both[1]
 
-    def _graph(self, index: int, batch: int, template: State) -> PieceGraph:
-        """The graph for `batch` fronts at `index`: the smallest captured size that holds them."""
-        rows = min(r for r in batch_sizes(self.front_rows(index)) if r >= batch)
-        graph = self.graphs.get((index, rows))
+    def _rows(self, n: int, b: int, graphs: dict) -> int:
+        """The graph's rows for `b` pieces of `n` frames: the smallest captured that holds them (else b)."""
+        fits = [rows for frames, rows in graphs if frames == n and rows >= b]
+        return min(fits) if fits else b
+
+    def _fronts(self, n: int, lanes: np.ndarray, starts: np.ndarray, codes: Tensor) -> tuple[Tensor, _Ran]:
+        b = len(lanes)
+        rows = self._rows(n, b, self.fronts)
+        lanes_t, starts_t = self._inputs(lanes, starts, rows)
+        graph = self.fronts.get((n, rows))
         if graph is None:
-            frames = piece_frames(index, self.first, self.largest)
-            graph = self.graphs[(index, rows)] = PieceGraph(self.codec, template, frames, rows, self.captures)
-        return graph
+            z, state = self._front(lanes_t, starts_t, codes)
+        else:
+            z, state = graph(lanes_t, starts_t, codes)
+            z, state = z[:b], torch._foreach_mul([t[:b] for t in state], 1)  # copies: the next replay overwrites them
+        return z, _Ran(lanes_t[:b], starts_t[:b], n, state)
+
+    def _front(self, lanes: Tensor, starts: Tensor, codes: Tensor) -> tuple[Tensor, list[Tensor]]:
+        state = self.front.gather(lanes[: codes.shape[0]], starts[: codes.shape[0]])
+        z = self.codec.decode_front(codes, state)
+        return z, self.front.outputs(state, codes.shape[-1])
+
+    def _backs(self, n: int, lanes: np.ndarray, starts: np.ndarray, latents: Tensor) -> tuple[Tensor, _Ran]:
+        b = len(lanes)
+        rows = self._rows(n, b, self.backs)
+        lanes_t, starts_t = self._inputs(lanes, starts, rows)
+        graph = self.backs.get((n, rows))
+        if graph is None:
+            audio, state = self.back.lanes(lanes_t[:b], starts_t[:b], latents)
+        else:
+            audio, state = graph(lanes_t, starts_t, latents)
+            audio, state = audio[:b].clone(), torch._foreach_mul([t[:b] for t in state], 1)
+        return audio, _Ran(lanes_t[:b], starts_t[:b], n, state)
+
+    # -- start-up ------------------------------------------------------------------------
 
     @torch.inference_mode()
     def working_bytes(self) -> int:
@@ -550,39 +526,41 @@ class StreamingCodec:
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            self.back._run(latents, contexts)
+            self.back.run(latents, contexts)
             torch.cuda.synchronize(device)
             most = max(most, torch.cuda.max_memory_allocated(device) - before)
         return most
 
-    def capture(self, pieces: int) -> None:
-        """Start-up work: the front graphs of the first `pieces` piece indices at every batch
-        size (a silent stream walks the schedule to give each its state; full-length pieces
-        share `FullFronts`' graphs), then the back's graphs for every scheduled piece length
-        at 1, 2, 4, ... rows (which compiles it)."""
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Start-up work (CUDA, after `allocate`): for every scheduled piece length, the front's
+        and the back's graphs at 1, 2, 4, ... rows, up to a batch (which compiles the back).
+        cuDNN picks each back conv's kernel by timing its candidates (benchmark mode) in the run
+        before the capture: its heuristics' picks for these channels-last shapes were slower."""
         if not self.use_graphs:
             return
-        device, alone = self.codec.device, CodecStream()
-        lengths = [piece_frames(index, self.first, self.largest) for index in range(min(pieces, self.max_graphs))]
-        for index, n in enumerate(lengths):
-            if self.full.takes(alone, n):
-                for rows in batch_sizes(self.max_rows):
-                    self.full.graph(rows, alone.state)
-            else:
-                for rows in batch_sizes(self.front_rows(index)):
-                    self._graph(index, rows, alone.state)
-            self.push(alone, torch.zeros(1, self.codec.n_rows, n, dtype=torch.long, device=device))
-        for n in sorted(set(lengths)):
+        device, scratch = self.codec.device, self.lanes
+        for n in self.lengths():
             for rows in batch_sizes(self.rows_for(n)):
-                self.back.capture(rows, n, self.captures)
+                lanes = torch.full((rows,), scratch, dtype=torch.long, device=device)
+                starts = torch.zeros(rows, dtype=torch.long, device=device)
+                codes = torch.zeros(rows, self.codec.n_rows, n, dtype=torch.long, device=device)
+                self.fronts[(n, rows)] = Replay(self._front, [lanes, starts, codes], self.captures, self.captures.matmuls)
+                latents = self.back.silence(rows, n)
+                self.backs[(n, rows)] = Replay(self.back.lanes, [lanes.clone(), starts.clone(), latents], self.captures,
+                                               cudnn_benchmark)
         self.back.warmed = True
 
+    @property
+    def graphs(self) -> int:
+        return len(self.fronts) + len(self.backs)
 
-def decode_in_pieces(codec: StreamingCodec, codes: Tensor) -> Tensor:
-    """codes [1, rows, n] decoded piece by piece as a stream would be (graphs where captured)."""
-    stream, out, at = CodecStream(), [], 0
+
+def decode_in_pieces(codec: StreamingCodec, codes: Tensor, lane: int = 0) -> Tensor:
+    """codes [1, rows, n] decoded piece by piece in `lane`, as a stream would be (graphs where captured)."""
+    out, at, pieces = [], 0, 0
     while at < codes.shape[-1]:
-        n = min(codec.next_frames(stream), codes.shape[-1] - at)
-        out.append(codec.push(stream, codes[..., at : at + n]))
-        at += n
+        n = min(codec.next_frames(pieces), codes.shape[-1] - at)
+        out += codec.push([lane], [pieces], codes[..., at : at + n].to(codec.codec.device), [n]).tensors()
+        at, pieces = at + n, pieces + 1
     return torch.cat(out, dim=-1)

@@ -284,16 +284,17 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
     get their whole audio."""
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
     codec = batcher._codec.codec
-    push_many, cursed = codec.push_many, []
+    backs, cursed = codec._backs, []
 
-    def failing(pieces):
-        cursed[:] = cursed or [pieces[0][1].clone()]  # the first piece the codec ever sees
-        audio = push_many(pieces)  # every stream's state has moved on when the batch fails
-        if any(codes.shape == cursed[0].shape and torch.equal(codes, cursed[0]) for _, codes in pieces):
+    def failing(n, lanes, starts, latents):
+        cursed[:] = cursed or [int(lanes[0])]  # the lane of the first piece the codec ever decodes
+        if cursed[0] in lanes:  # its batch's fronts have run: no lane's state has moved on yet
+            if len(lanes) == 1:  # retried alone, it fails for good: its lane serves the next one
+                cursed[0] = -1
             raise RuntimeError("codec broke")
-        return audio
+        return backs(n, lanes, starts, latents)
 
-    codec.push_many = failing
+    codec._backs = failing
     jobs = [Job(TEXTS[i % 4], params=SamplingParams(seed=i, max_new_tokens=12)) for i in range(3)]
     with batcher:
         tickets = [batcher.submit(job) for job in jobs]
@@ -340,7 +341,7 @@ class HandDriven:
 def test_the_codec_decodes_the_shortest_ready_pieces_first(solo):
     """A new request's first piece goes before the full-length pieces of requests already
     playing, though theirs were ready first: it waits behind one batch, not a round of all."""
-    worker = CodecWorker(solo, first_piece=4, largest_piece=64)
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
     worker.hold_s = 0  # no piece waits for company (see the next test)
     hand = HandDriven(worker)
     rng = np.random.default_rng(0)
@@ -370,7 +371,7 @@ def test_pieces_of_streams_with_audio_to_spare_wait_for_company(solo, monkeypatc
 
     clock = [100.0]
     monkeypatch.setattr(codec_worker.time, "perf_counter", lambda: clock[0])
-    worker = CodecWorker(solo, first_piece=4, largest_piece=64)
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
     worker.codec.max_batch_frames = 128  # two pieces of 64 fill a batch
     hand = HandDriven(worker)
     rng = np.random.default_rng(2)
@@ -410,7 +411,7 @@ def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled
     """A last piece shorter than scheduled is padded to its scheduled length, so it is batched
     and ordered as one of that length: a burst of streams ending together goes a batch at a
     time, and a first piece ready meanwhile goes between two batches, not after them all."""
-    worker = CodecWorker(solo, first_piece=4, largest_piece=8)
+    worker = CodecWorker(solo, first_piece=4, largest_piece=8, lanes=8)
     worker.codec.max_batch_frames = 16  # pieces of 8 frames go two at a time
     worker.hold_s = 0
     hand = HandDriven(worker)
@@ -438,8 +439,8 @@ def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled
 
 def test_a_lane_ring_grows_when_a_stream_s_codec_falls_behind(solo):
     """Frames pile up in a lane beyond its ring (the codec far behind the decode loop): the ring
-    grows, and every frame comes out as it went in; lanes grow with the streams opened."""
-    worker = CodecWorker(solo, first_piece=4, largest_piece=64)
+    grows, and every frame comes out as it went in. Lanes are as many as the codec was sized for."""
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
     hand = HandDriven(worker)
     rng = np.random.default_rng(3)
     others = {hand.open(f"other{i}"): rng.integers(0, 1024, (5, solo.config.num_codebooks)) for i in range(2)}
@@ -453,9 +454,14 @@ def test_a_lane_ring_grows_when_a_stream_s_codec_falls_behind(solo):
     np.testing.assert_array_equal(state.read(np.array([lane]), 700)[0], given.T)
     for other, codes in others.items():  # the others' frames kept their places
         np.testing.assert_array_equal(state.read(np.array([hand.lane[other]]), 5)[0], codes.T)
-    for i in range(200):  # lanes grow with the streams open, not with each one opened
+    assert worker.lanes.free() == 5
+    for i in range(5):
         hand.open(f"many{i}")
-    assert 203 <= len(state.active) <= 2 * 203
+    assert worker.lanes.free() == 0
+    with pytest.raises(RuntimeError, match="every one of the codec's 8 lanes is taken"):
+        worker.lanes.take()
+    worker.lanes.release(hand.lane["many0"])
+    assert worker.lanes.free() == 1 and worker.lanes.take() == hand.lane["many0"]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

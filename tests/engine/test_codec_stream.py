@@ -1,28 +1,39 @@
-"""Piece-by-piece codec decoding: the schedule, and the state plumbing the CUDA graphs use."""
+"""Piece-by-piece codec decoding: the schedule, lanes of state, and batches of pieces."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from fish_sm.engine.codec_stream import CodecStream, ConvBack, FullFronts, StreamingCodec, _flatten, _rebuild, decode_in_pieces, piece_frames
+from fish_sm.engine.codec_stream import ConvBack, StreamingCodec, decode_in_pieces, piece_frames, piece_start
+from fish_sm.errors import FishSMError
 from fish_sm.model.codec import CodecConfig, codec_from_state_dict
 from fish_sm.model.random_weights import build_codec_state_dict
 
 
+def push_batch(pieces: StreamingCodec, batch: list[tuple[int, int, torch.Tensor]]) -> list[torch.Tensor]:
+    """One `push` of (lane, piece index, codes [1, rows, n]) each: their audio, in order."""
+    frames = [c.shape[-1] for _, _, c in batch]
+    codes = torch.cat([F.pad(c, (0, max(frames) - c.shape[-1])) for _, _, c in batch])
+    return pieces.push([lane for lane, _, _ in batch], [p for _, p, _ in batch], codes, frames).tensors()
+
+
 def _streamed_in_rounds(pieces: StreamingCodec, codes: list[torch.Tensor], starts) -> list[torch.Tensor]:
-    """Each stream's audio, streamed as a server would: every round, one `push_many` of the
-    next scheduled piece of each stream that has joined (stream i from round starts[i])."""
-    streams, out, at = [CodecStream() for _ in codes], [[] for _ in codes], [0] * len(codes)
+    """Each stream's audio, streamed as a server would: every round, one `push` of the next
+    scheduled piece of each stream that has joined (stream i in lane i from round starts[i])."""
+    out, at, index = [[] for _ in codes], [0] * len(codes), [0] * len(codes)
     rounds = 0
     while any(a < c.shape[-1] for a, c in zip(at, codes)):
         batch = []
         for i, c in enumerate(codes):
             if rounds >= starts[i] and at[i] < c.shape[-1]:
-                m = min(pieces.next_frames(streams[i]), c.shape[-1] - at[i])
-                batch.append((i, c[..., at[i] : at[i] + m]))
+                m = min(pieces.next_frames(index[i]), c.shape[-1] - at[i])
+                batch.append((i, index[i], c[..., at[i] : at[i] + m]))
                 at[i] += m
-        for (i, _), audio in zip(batch, pieces.push_many([(streams[i], c) for i, c in batch])):
+                index[i] += 1
+        for (i, _, _), audio in zip(batch, push_batch(pieces, batch)):
             out[i].append(audio)
         rounds += 1
     return [torch.cat(o, dim=-1) for o in out]
@@ -30,6 +41,8 @@ def _streamed_in_rounds(pieces: StreamingCodec, codes: list[torch.Tensor], start
 
 def test_schedule_doubles_up_to_the_largest_piece():
     assert [piece_frames(i, 4, 64) for i in range(7)] == [4, 8, 16, 32, 64, 64, 64]
+    assert [piece_start(i, 4, 64) for i in range(7)] == [0, 4, 12, 28, 60, 124, 188]
+    assert [piece_start(i, 3, 8) for i in range(5)] == [0, 3, 9, 17, 25]  # a largest off the doubling
 
 
 def test_a_last_piece_runs_the_back_over_the_shortest_scheduled_length_that_holds_it(engine):
@@ -42,7 +55,7 @@ def test_a_last_piece_runs_the_back_over_the_shortest_scheduled_length_that_hold
 def test_pieces_decode_like_the_whole_sequence(engine, first, largest):
     codes = torch.randint(0, 1024, (1, engine.codec.n_rows, 45), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        torch.testing.assert_close(decode_in_pieces(StreamingCodec(engine.codec, first=first, largest=largest), codes),
+        torch.testing.assert_close(decode_in_pieces(StreamingCodec(engine.codec, first=first, largest=largest, lanes=2), codes),
                                    engine.codec.decode(codes), atol=1e-4, rtol=0)
 
 
@@ -52,6 +65,7 @@ def test_the_back_over_channels_last_2d_tensors_decodes_like_the_whole_sequence(
     codes = torch.randint(0, 1024, (1, engine.codec.n_rows, 45), generator=torch.Generator().manual_seed(2))
     pieces = StreamingCodec(engine.codec, first=2, largest=8)
     pieces.back = ConvBack(engine.codec, compiled=False, channels_last=True)
+    pieces.allocate(2)
     assert all(len(shape) == 3 for shape in pieces.back.shapes)  # contexts [C, 1, L] a row
     try:
         with torch.inference_mode():
@@ -61,29 +75,56 @@ def test_the_back_over_channels_last_2d_tensors_decodes_like_the_whole_sequence(
             m.__dict__.update({k: None for k in ("weight_2d", "phases_2d") if k in m.__dict__})
 
 
-def test_state_copied_through_flat_tensors_decodes_the_same(engine):
-    """What a graph replay does with a stream's state: out through flat tensors (copies) and back."""
+def test_lanes_keep_their_streams_apart_and_a_lane_starts_afresh_at_piece_zero(engine):
+    """Two streams in two lanes, pieces interleaved, give each its own whole-sequence audio;
+    a lane used again from piece 0 forgets the stream it held (its cache masked, its convs'
+    contexts zero), as a session's next sentence does."""
     codec = engine.codec
-    codes = torch.randint(0, 1024, (1, codec.n_rows, 30), generator=torch.Generator().manual_seed(1))
-    pieces = StreamingCodec(codec, first=2, largest=8)
-    stream, out = CodecStream(), []
+    codes = [torch.randint(0, 1024, (1, codec.n_rows, 30), generator=torch.Generator().manual_seed(1 + i)) for i in range(3)]
+    pieces = StreamingCodec(codec, first=2, largest=8, lanes=3)
     with torch.inference_mode():
-        for at, n in ((0, 2), (2, 4), (6, 8), (14, 8), (22, 8)):
-            out.append(pieces.push(stream, codes[..., at : at + n]))
-            layout, tensors = _flatten(stream.state)
-            stream.state = _rebuild(layout, torch._foreach_mul(tensors, 1))
-        assert stream.pieces == 5
-        torch.testing.assert_close(torch.cat(out, dim=-1), codec.decode(codes), atol=1e-4, rtol=0)
+        out = _streamed_in_rounds(pieces, codes[:2], (0, 1))
+        for i in range(2):
+            torch.testing.assert_close(out[i], codec.decode(codes[i]), atol=1e-4, rtol=0)
+        torch.testing.assert_close(decode_in_pieces(pieces, codes[2], lane=0), codec.decode(codes[2]), atol=1e-4, rtol=0)
+
+
+def test_a_push_that_fails_leaves_every_lane_as_it_was(engine, monkeypatch):
+    """States are written back only once every batch of a push has run: after a back that
+    raises, the same pieces pushed again decode as if the failure never happened."""
+    codec = engine.codec
+    codes = [torch.randint(0, 1024, (1, codec.n_rows, 14), generator=torch.Generator().manual_seed(5 + i)) for i in range(2)]
+    pieces = StreamingCodec(codec, first=2, largest=8, lanes=2)
+    run = pieces.back.run
+    with torch.inference_mode():
+        out = [push_batch(pieces, [(i, 0, c[..., :2]) for i, c in enumerate(codes)])]
+        monkeypatch.setattr(pieces.back, "run", lambda *a: (_ for _ in ()).throw(RuntimeError("back broke")))
+        with pytest.raises(RuntimeError, match="back broke"):
+            push_batch(pieces, [(i, 1, c[..., 2:6]) for i, c in enumerate(codes)])  # the fronts ran, then this
+        monkeypatch.setattr(pieces.back, "run", run)
+        out.append(push_batch(pieces, [(i, 1, c[..., 2:6]) for i, c in enumerate(codes)]))
+        out.append(push_batch(pieces, [(i, 2, c[..., 6:14]) for i, c in enumerate(codes)]))
+    for i, c in enumerate(codes):
+        torch.testing.assert_close(torch.cat([o[i] for o in out], dim=-1), codec.decode(c), atol=1e-4, rtol=0)
+
+
+def test_a_push_checks_its_lanes_and_the_streams_length(engine):
+    pieces = StreamingCodec(engine.codec, first=2, largest=8, lanes=2)
+    codes = torch.zeros(1, engine.codec.n_rows, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="lanes must be in"):
+        pieces.push([2], [0], codes, [2])  # lane 2 is the scratch lane
+    with pytest.raises(FishSMError, match="longer than the codec streams"):
+        pieces.push([0], [10**5], torch.zeros(1, engine.codec.n_rows, 8, dtype=torch.long), [8])
 
 
 def test_pieces_of_several_streams_decode_together_like_each_alone(engine):
-    """`push_many`: streams at different points of the schedule share batches (fronts at
+    """`push`: streams at different points of the schedule share batches (fronts at
     the same piece index, backs of the same length, at most `max_batch_frames` frames), and
     each still gets its own whole-sequence audio."""
     codec = engine.codec
     codes = [torch.randint(0, 1024, (1, codec.n_rows, 30), generator=torch.Generator().manual_seed(10 + i)) for i in range(5)]
-    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)  # two pieces a batch
-    assert pieces.max_rows == 2
+    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16, lanes=5)  # two full pieces a batch
+    assert pieces.rows_for(8) == 2
     starts = [0, 0, 1, 3, 3]  # later streams join while earlier ones are on longer pieces
     with torch.inference_mode():
         out = _streamed_in_rounds(pieces, codes, starts)
@@ -92,23 +133,20 @@ def test_pieces_of_several_streams_decode_together_like_each_alone(engine):
 
 
 def test_fronts_at_one_piece_index_and_backs_of_one_length_run_as_batches(engine, monkeypatch):
-    """Pieces at one index stack their fronts (the state they carry has the same shapes for
-    every stream), full-length ones up to `max_batch_frames` frames; backs stack up to
-    `max_batch_frames` frames, so short pieces go in larger batches. Each stream still gets
-    its own audio."""
+    """Fronts and backs of one piece length stack, up to `max_batch_frames` frames a batch,
+    so short pieces go in larger batches. Each stream still gets its own audio."""
     codec = engine.codec
-    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)
-    assert [pieces.front_rows(i) for i in range(4)] == [8, 4, 1, 1]
+    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16, lanes=4)
     assert [pieces.rows_for(n) for n in (2, 4, 8)] == [8, 4, 2]
     fronts, backs = [], []
     decode, step = codec.quantizer.decode, pieces.back._step
     monkeypatch.setattr(codec.quantizer, "decode", lambda codes, state=None: fronts.append(codes.shape[0]) or decode(codes, state))
     monkeypatch.setattr(pieces.back, "_step", lambda z, c: backs.append((z.shape[0], z.shape[-1])) or step(z, c))
     codes = [torch.randint(0, 1024, (1, codec.n_rows, 22), generator=torch.Generator().manual_seed(20 + i)) for i in range(4)]
-    streams, out = [CodecStream() for _ in codes], [[] for _ in codes]
+    out = [[] for _ in codes]
     with torch.inference_mode():
-        for at, n in ((0, 2), (2, 4), (6, 8), (14, 8)):
-            for i, audio in enumerate(pieces.push_many([(s, c[..., at : at + n]) for s, c in zip(streams, codes)])):
+        for index, (at, n) in enumerate(((0, 2), (2, 4), (6, 8), (14, 8))):
+            for i, audio in enumerate(push_batch(pieces, [(i, index, c[..., at : at + n]) for i, c in enumerate(codes)])):
                 out[i].append(audio)
         assert fronts == [4, 4, 2, 2, 2, 2]
         assert [(b, t // pieces.back.steps) for b, t in backs] == [(4, 2), (4, 4), (2, 8), (2, 8), (2, 8), (2, 8)]
@@ -121,17 +159,17 @@ def test_last_pieces_shorter_than_scheduled_run_with_the_others(engine, monkeypa
     to it and run as one batch, each back runs over the shortest scheduled length that holds
     its frames (the decoder is causal); each keeps only its own samples, as if whole."""
     codec = engine.codec
-    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16)
+    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16, lanes=3)
     fronts, backs = [], []
     decode, step = codec.quantizer.decode, pieces.back._step
     monkeypatch.setattr(codec.quantizer, "decode", lambda codes, state=None: fronts.append(codes.shape) or decode(codes, state))
     monkeypatch.setattr(pieces.back, "_step", lambda z, c: backs.append((z.shape[0], z.shape[-1])) or step(z, c))
     lengths = (2 + 1, 2 + 3, 2 + 4)  # last pieces of 1, 3 and 4 frames where 4 are scheduled
     codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(40 + n)) for n in lengths]
-    streams, out = [CodecStream() for _ in codes], [[] for _ in codes]
+    out = [[] for _ in codes]
     with torch.inference_mode():
-        for at, n in ((0, 2), (2, 4)):
-            for i, audio in enumerate(pieces.push_many([(s, c[..., at : at + n]) for s, c in zip(streams, codes)])):
+        for index, (at, n) in enumerate(((0, 2), (2, 4))):
+            for i, audio in enumerate(push_batch(pieces, [(i, index, c[..., at : at + n]) for i, c in enumerate(codes)])):
                 out[i].append(audio)
     assert [shape[0] for shape in fronts] == [3, 3] and fronts[-1][-1] == 4
     assert [(b, t // pieces.back.steps) for b, t in backs] == [(3, 2), (1, 2), (2, 4)]  # 1 frame: 2; 3 and 4: 4
@@ -142,22 +180,23 @@ def test_last_pieces_shorter_than_scheduled_run_with_the_others(engine, monkeypa
 
 
 def test_full_length_fronts_at_different_indices_share_a_batch_past_the_window(monkeypatch):
-    """`FullFronts`: streams at different piece indices stack their full-length fronts, each
-    row at its own positions, with KV caches padded to the window while not yet full and
-    dropping the oldest keys once past it; each stream still gets its whole-sequence audio."""
+    """Streams at different piece indices stack their full-length fronts, each row at its own
+    positions, its keys read from its lane's ring in order (masked before position 0) and the
+    oldest dropped once past the window; each stream still gets its whole-sequence audio."""
     config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=3)).eval()
-    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12)  # three full pieces a batch
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=4)  # three full pieces a batch
     batches = []
-    call = FullFronts.__call__
-    monkeypatch.setattr(FullFronts, "__call__", lambda self, streams, codes: batches.append(
-        sorted(s.pieces for s in streams)) or call(self, streams, codes))
+    fronts = pieces._fronts
+    monkeypatch.setattr(pieces, "_fronts", lambda n, lanes, starts, codes: batches.append(
+        (n, sorted(starts.tolist()))) or fronts(n, lanes, starts, codes))
     lengths, starts = (26, 19, 30, 23), (0, 1, 2, 4)
     codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(60 + n)) for n in lengths]
     with torch.inference_mode():
         out = _streamed_in_rounds(pieces, codes, starts)
-        assert any(len(set(b)) > 1 for b in batches) and max(len(b) for b in batches) == 3
-        assert max(max(b) for b in batches) > 3  # pieces well past the 6-frame window
+        full = [b for n, b in batches if n == 4]
+        assert any(len(set(b)) > 1 for b in full) and max(len(b) for b in full) == 3
+        assert max(max(b) for b in full) > 12  # pieces well past the 6-frame window
         for i in range(len(codes)):
             torch.testing.assert_close(out[i], codec.decode(codes[i]), atol=1e-4, rtol=0)
 
@@ -170,7 +209,7 @@ def test_the_back_in_float16_decodes_within_its_rounding_of_float32(engine):
     """The back as served on CUDA: a float16 copy of the decoder, float32 audio out; the
     codec's own decoder (whole decodes) stays float32."""
     codes = torch.randint(0, 1024, (1, engine.codec.n_rows, 45), generator=torch.Generator().manual_seed(3))
-    pieces = StreamingCodec(engine.codec, first=2, largest=8, back_dtype=torch.float16)
+    pieces = StreamingCodec(engine.codec, first=2, largest=8, back_dtype=torch.float16, lanes=1)
     assert pieces.back.decoder is not engine.codec.decoder
     assert engine.codec.decoder.model[0].conv.weight.dtype == torch.float32
     with torch.inference_mode():
@@ -189,10 +228,11 @@ def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeyp
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
-    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, back_dtype=torch.float32, front_tf32=False)
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, back_dtype=torch.float32, front_tf32=False,
+                            lanes=5)
     with torch.inference_mode():
-        pieces.capture(6)
-    assert sorted(pieces.full.graphs) == [1, 2, 3]
+        pieces.capture()
+    assert sorted(pieces.fronts) == sorted(pieces.backs) == [(2, 1), (2, 2), (2, 4), (2, 6), (4, 1), (4, 2), (4, 3)]
     lengths, starts = (26, 19, 30, 23, 9), (0, 1, 2, 4, 4)
     codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(70 + n)).cuda()
              for n in lengths]
@@ -210,10 +250,10 @@ def test_captured_codec_as_served_stays_close_to_float32_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
-    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12)
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=3)
     assert pieces.back.dtype == torch.float16 and pieces.captures.tf32
     with torch.inference_mode():
-        pieces.capture(6)
+        pieces.capture()
     # Not the stream graphs are captured on by default, as the decode step's are: cuBLAS's workspace goes by stream.
     default = torch.cuda.graph(torch.cuda.CUDAGraph()).capture_stream
     assert pieces.captures.stream.cuda_stream != default.cuda_stream

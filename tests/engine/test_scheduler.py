@@ -152,6 +152,21 @@ def test_a_retired_request_frees_its_slot_at_once_for_the_next():
     assert b.slot == 1
 
 
+def test_admissions_wait_for_a_free_codec_lane_as_for_a_slot():
+    """A stream's codec lane outlives its slot while its last pieces decode: with slots free
+    but no lane, requests wait, and are admitted as lanes come back."""
+    clock, lanes = Clock(), [1]
+    s = scheduler(clock, slots=4)
+    s.lanes_free = lambda: lanes[0]
+    for text in ("One.", "Two.", "Three."):
+        s.add(Ticket(Job(text, stream=True)))
+    assert len(s.schedule().admitted) == 1
+    lanes[0] = 0
+    assert s.schedule().admitted == [] and s.num_waiting == 2
+    lanes[0] = 5
+    assert len(s.schedule().admitted) == 2 and s.num_waiting == 0
+
+
 def test_frames_queued_for_a_slot_s_previous_request_are_dropped():
     """A step queued before its request ended, checked after another took the slot: the new
     request's entry has another generation, so the old rows deliver nothing."""

@@ -17,13 +17,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
-from fish_sm.engine.codec_stream import CodecStream, StreamingCodec
+from fish_sm.engine.codec_stream import StreamingCodec
 from fish_sm.engine.engine import Engine, Synthesis
-from fish_sm.engine.generate import HostCopy, to_device
+from fish_sm.engine.generate import to_device
 from fish_sm.engine.batching.request import EngineStopped, Ticket
 
 logger = logging.getLogger("fish_sm.batching")
@@ -35,25 +36,43 @@ RING_FRAMES = 256  # frames a lane holds before the ring grows (a stream whose c
 
 
 class Lanes:
-    """Lane numbers for the codec's streams: taken by the engine's thread at admission, given
-    back by the codec's thread once a stream's last audio is out."""
+    """Lane numbers for the codec's streams, `capacity` of them (the codec's state is sized
+    for that many streams at once): taken by the engine's thread at admission, given back by
+    the codec's thread once a stream's last audio is out. `on_release` is called then while
+    the engine waits for one (admissions beyond the lanes wait)."""
 
-    def __init__(self):
+    def __init__(self, capacity: int = 0):
+        self.capacity = capacity
         self._free: list[int] = []
         self._released: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._next = 0
+        self.on_release: Callable[[], None] | None = None
+        self.starved = False  # the engine left work waiting for a lane
 
-    def take(self) -> int:
+    def _collect(self) -> None:
         with contextlib.suppress(queue.Empty):
             while True:
                 heapq.heappush(self._free, self._released.get_nowait())
+
+    def free(self) -> int:
+        """Lanes that `take` can give now (the engine's thread)."""
+        self._collect()
+        return len(self._free) + self.capacity - self._next
+
+    def take(self) -> int:
+        self._collect()
         if self._free:
             return heapq.heappop(self._free)
+        if self._next >= self.capacity:
+            raise RuntimeError(f"every one of the codec's {self.capacity} lanes is taken")
         self._next += 1
         return self._next - 1
 
     def release(self, lane: int) -> None:
         self._released.put(lane)
+        if self.starved and self.on_release is not None:
+            self.starved = False
+            self.on_release()
 
 
 class CodecWorker:
@@ -63,7 +82,7 @@ class CodecWorker:
     ready pieces of one scheduled length, the shortest (one piece per request, since a
     request's next piece needs the state its last one left)."""
 
-    def __init__(self, engine: Engine, first_piece: int, largest_piece: int, precision: str = "auto"):
+    def __init__(self, engine: Engine, first_piece: int, largest_piece: int, precision: str = "auto", lanes: int = 0):
         self.engine = engine
         # auto: StreamingCodec's defaults (on a GPU, the back in float16 and TF32 fronts);
         # float32: the codec's own dtype throughout.
@@ -72,7 +91,7 @@ class CodecWorker:
         exact = {"back_dtype": engine.codec.dtype, "front_tf32": False} if precision == "float32" else {}
         self.codec = StreamingCodec(engine.codec, first_piece, largest_piece, **exact)
         self.first, self.largest = first_piece, largest_piece
-        self.lanes = Lanes()
+        self.lanes = Lanes()  # sized by `allocate`
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._audio: list[_Audio | None] = []  # by lane
         self._state = _LaneState(0, engine.config.num_codebooks)
@@ -82,10 +101,22 @@ class CodecWorker:
         # Pieces of streams with audio to spare wait up to `hold_s` for more of their length, so
         # the codec decodes fewer, larger batches beside the decode loop (0: never wait).
         self.hold_s, self.spare_s = HOLD_S, SPARE_S
+        if lanes:
+            self.allocate(lanes)
 
-    def capture(self, pieces: int) -> None:
+    def lane_bytes(self) -> int:
+        return self.codec.lane_bytes()
+
+    def allocate(self, lanes: int) -> None:
+        """State for `lanes` streams at once."""
+        self.codec.allocate(lanes)
+        self.lanes.capacity = lanes
+        self._state = _LaneState(lanes, self.engine.config.num_codebooks)
+        self._audio = [None] * lanes
+
+    def capture(self) -> None:
         with self._on_stream():
-            self.codec.capture(pieces)
+            self.codec.capture()
 
     def _on_stream(self):
         return torch.cuda.stream(self._cuda) if self._cuda is not None else contextlib.nullcontext()
@@ -185,10 +216,6 @@ class CodecWorker:
             s.write(lanes, codes)
             return
         if kind == "open":
-            if lane >= len(self._audio):
-                self._audio.extend([None] * (lane + 1 - len(self._audio)))
-            if lane >= len(s.active):
-                s.grow_lanes(lane + 1)
             self._audio[lane] = _Audio(payload)
             s.open(lane, payload.job.stream)
             return
@@ -257,7 +284,7 @@ class CodecWorker:
             entry = self._audio[lane]
             if samples is None or entry is None:
                 continue
-            s.pieces[lane] = entry.stream.pieces
+            s.pieces[lane] += 1
             self._deliver(lane, entry, samples)
             if entry.sentences:
                 entry.sentences[0][0] -= int(frames)
@@ -268,8 +295,7 @@ class CodecWorker:
         """Sentences whose audio is all out: their end is said, the next starts a new codec stream."""
         while entry.sentences and entry.sentences[0][0] <= 0:
             _, index = entry.sentences.pop(0)
-            entry.stream = CodecStream()
-            self._state.pieces[lane] = 0
+            self._state.pieces[lane] = 0  # the next piece starts a codec stream afresh
             entry.ticket.emit("spoken", index)
         self._state.sentence_left[lane] = entry.sentences[0][0] if entry.sentences else -1
 
@@ -317,20 +343,10 @@ class CodecWorker:
     def _pieces(self, lanes: np.ndarray, codes: np.ndarray, taken: np.ndarray) -> list[np.ndarray]:
         """One batch of pieces through the codec: their codes to the GPU in one copy (through
         pinned memory, `to_device`: a pageable copy waits for the whole batch inside the driver,
-        and the decode loop's CUDA calls wait with it), their audio back in one."""
-        entries = [self._audio[lane] for lane in lanes]
+        and the decode loop's CUDA calls wait with it), their audio back in one a back batch.
+        A batch that raises leaves its streams' states as they were (`StreamingCodec.push`)."""
         on_device = to_device(torch.from_numpy(codes), self.engine.device)
-        pieces = [(e.stream, on_device[i : i + 1, :, : int(n)]) for i, (e, n) in enumerate(zip(entries, taken))]
-        saved = [e.stream.snapshot() for e in entries]
-        try:
-            audio = self.codec.push_many(pieces)
-        except Exception:
-            for entry, stream in zip(entries, saved):  # as they were, for a retry
-                entry.stream = stream
-            raise
-        lengths = [a.shape[-1] for a in audio]
-        flat = HostCopy(torch.cat([a[0] for a in audio]).float()).get().numpy()
-        return np.split(flat.copy(), np.cumsum(lengths)[:-1])  # (the pinned block back at once)
+        return self.codec.push(lanes, self._state.pieces[lanes], on_device, taken).host()
 
     def _deliver(self, lane: int, entry: "_Audio", samples: np.ndarray) -> None:
         ticket = entry.ticket
@@ -360,11 +376,10 @@ class CodecWorker:
 
 @dataclass
 class _Audio:
-    """What a lane's stream keeps besides its arrays: its ticket, its decoder state and, for a
-    whole request, its audio so far."""
+    """What a lane's stream keeps besides its arrays: its ticket and, for a whole request,
+    its audio so far."""
 
     ticket: Ticket
-    stream: CodecStream = field(default_factory=CodecStream)
     audio: list = field(default_factory=list)
     finished: float = 0.0  # when its last frame was handed over (0: still decoding)
     all_codes: list = field(default_factory=list)
@@ -383,22 +398,12 @@ class _LaneState:
         self.finished = np.zeros(lanes, bool)  # its last frame is in
         self.received = np.zeros(lanes, np.int64)
         self.consumed = np.zeros(lanes, np.int64)
-        self.pieces = np.zeros(lanes, np.int64)  # its codec stream's piece index (`CodecStream.pieces`)
+        self.pieces = np.zeros(lanes, np.int64)  # pieces its codec stream has decoded (0: starts afresh)
         self.sentence_left = np.full(lanes, -1, np.int64)  # frames left in its first ended sentence (-1: none)
         self.ready_since = np.zeros(lanes)  # when its next piece's frames were all there (0: not yet)
         self.playing_since = np.zeros(lanes)  # its first audio (streamed)
         self.given_s = np.zeros(lanes)  # audio streamed so far, in seconds
         self.ring = np.zeros((lanes, codebooks, ring), np.int64)
-
-    def grow_lanes(self, lanes: int) -> None:
-        lanes = max(lanes, 2 * len(self.active))
-        for name, value in vars(self).items():
-            if isinstance(value, np.ndarray):
-                grown = np.zeros((lanes, *value.shape[1:]), value.dtype)
-                if name == "sentence_left":
-                    grown[:] = -1
-                grown[: len(value)] = value
-                setattr(self, name, grown)
 
     def open(self, lane: int, stream: bool) -> None:
         self.active[lane], self.stream[lane], self.finished[lane] = True, stream, False

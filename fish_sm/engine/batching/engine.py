@@ -31,6 +31,12 @@ from fish_sm.engine.batching.scheduler import Request, Schedule, Scheduler, Step
 logger = logging.getLogger("fish_sm.batching")
 
 
+def codec_lanes(slots: int) -> int:
+    """Codec streams at once for `slots` slots: a stream outlives its slot while its last
+    pieces decode, so a quarter more (admissions wait for a lane beyond that)."""
+    return slots + max(4, slots // 4)
+
+
 class BatchEngine:
     """Iteration-level scheduling over an `Engine`'s model (which it takes over: the
     KV cache is re-made with one row per slot)."""
@@ -43,16 +49,21 @@ class BatchEngine:
         self.engine, self.model = engine, engine.model
         self.device = engine.device
         self._codec = CodecWorker(engine, first_piece, largest_piece, codec_precision)
-        # The codec's working memory is measured before the slots are sized around it.
-        self.runner = ModelRunner(engine, max_batch, memory_fraction, prefix_cache, self._codec.codec.working_bytes)
+        # The codec's working memory is measured before the slots are sized around it, and
+        # its per-stream state is counted with each slot's (`codec_lanes`).
+        self.runner = ModelRunner(engine, max_batch, memory_fraction, prefix_cache, self._codec.codec.working_bytes,
+                                  self._codec.lane_bytes() * codec_lanes(1000) // 1000)
         slots = self.runner.slots
+        self._codec.allocate(codec_lanes(slots))
         # forced_lengths: benchmarks only (FISH_SM_BENCHMARK_LENGTHS), see Scheduler.
         codec = engine.codec
         self.scheduler = Scheduler(slots, slots if max_queue is None else max_queue, self.model.im_end_id,
                                    self.runner.new_generator, forced_lengths,
                                    frame_rate=codec.sample_rate / codec.frame_length, horizon_s=horizon_s,
                                    pieces=(first_piece, largest_piece), step_rows=step_rows, adapters=engine.adapters,
-                                   codebooks=engine.config.num_codebooks, max_frames=self.runner.max_seq_len)
+                                   codebooks=engine.config.num_codebooks, max_frames=self.runner.max_seq_len,
+                                   lanes_free=self._codec.lanes.free)
+        self._codec.lanes.on_release = self._wake
         self.runner.bind(self.scheduler.table, self.scheduler.requests)
         self._lock = threading.Condition()
         if engine.adapters is not None:  # an adapter read on its own thread wakes the loop for its request
@@ -97,13 +108,13 @@ class BatchEngine:
             return
         seconds = self.runner.capture()
         t0 = time.perf_counter()
-        self._codec.capture(pieces=12)  # the rest of a long utterance's pieces are captured when first reached
+        self._codec.capture()
         # The warm-up runs before each capture leave blocks cached: hand back what no graph holds.
         torch.cuda.empty_cache()
         step = self.runner.captured
         logger.info("batching: captured %d decode, %d admission and %d codec graphs in %.1f s (batch sizes to %d; "
                     "%d graphs more between steps); %.1f GiB of %.1f GiB free", len(step.graphs), len(step.admissions),
-                    len(self._codec.codec.graphs), seconds + time.perf_counter() - t0, self.runner.ready_sizes[-1],
+                    self._codec.codec.graphs, seconds + time.perf_counter() - t0, self.runner.ready_sizes[-1],
                     len(self.runner._to_capture), *(b / 2**30 for b in torch.cuda.mem_get_info(self.device)))
 
     def capture_remaining(self) -> None:
@@ -307,6 +318,8 @@ class BatchEngine:
         """Nothing was decoded (every stream has its listener's horizon buffered): wait until the
         first of them needs a frame, or new work arrives."""
         with self._lock:
+            if self.scheduler.num_waiting:  # a lane given back then wakes this wait
+                self._codec.lanes.starved = True
             wait = self.scheduler.next_turn_in()
             if self._running and wait > 0:
                 self._lock.wait(timeout=None if wait == math.inf else wait)

@@ -62,13 +62,13 @@ class ModelRunner:
     is re-made with one row per slot)."""
 
     def __init__(self, engine: Engine, max_batch: int, memory_fraction: float, prefix_cache: int,
-                 codec_bytes: Callable[[], int]):
+                 codec_bytes: Callable[[], int], codec_slot_bytes: int = 0):
         self.engine, self.model = engine, engine.model
         self.device = engine.device
         model, c = self.model, engine.config
         self.rows = 1 + c.num_codebooks
         self.max_seq_len = model.max_seq_len
-        self.slots = self._fit_slots(max_batch, memory_fraction, prefix_cache, codec_bytes)
+        self.slots = self._fit_slots(max_batch, memory_fraction, prefix_cache, codec_bytes, codec_slot_bytes)
         self.scratch = self.slots  # the cache row that padding and captures write into
         model.setup_caches(self.slots + 1, self.max_seq_len)
         self.batch_sizes = batch_sizes(self.slots)
@@ -99,16 +99,16 @@ class ModelRunner:
         self.steps = 0
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int,
-                   codec_bytes: Callable[[], int]) -> int:
+                   codec_bytes: Callable[[], int], codec_slot_bytes: int) -> int:
         """Admission control: as many sequences as the free GPU memory holds (after room for
-        the prefix cache, the captured graphs and the codec's largest batch, `codec_bytes()`),
-        at most `max_batch`."""
+        the prefix cache, the captured graphs and the codec's largest batch, `codec_bytes()`;
+        each slot with the codec's state for its streams, `codec_slot_bytes`), at most `max_batch`."""
         if self.device.type != "cuda":
             return max_batch if max_batch > 0 else 8
         max_batch = max_batch if max_batch > 0 else MOST_SLOTS
         c, dtype = self.engine.config, self.engine.model.dtype
         per_token = 2 * c.n_layer * c.n_local_heads * c.head_dim * torch.finfo(dtype).bits // 8
-        per_slot = per_token * self.max_seq_len + self.rows * (self.max_seq_len + PENALTY_WINDOW) * 8
+        per_slot = per_token * self.max_seq_len + self.rows * (self.max_seq_len + PENALTY_WINDOW) * 8 + codec_slot_bytes
         codec = codec_bytes()
         torch.cuda.empty_cache()  # the measurement's blocks, cached, would count as used below and in `codec` too
         free, total = torch.cuda.mem_get_info(self.device)

@@ -122,8 +122,10 @@ class Scheduler:
     def __init__(self, slots: int, max_queue: int, im_end: int, generator: Callable[[int | None], object],
                  forced_lengths: bool = False, frame_rate: float = 21.5, horizon_s: float = 2.0,
                  pieces: tuple[int, int] = (4, 64), step_rows: int = 0, clock: Callable[[], float] = time.perf_counter,
-                 adapters: AdapterGate | None = None, codebooks: int = 1, max_frames: int = 1):
+                 adapters: AdapterGate | None = None, codebooks: int = 1, max_frames: int = 1,
+                 lanes_free: Callable[[], int] | None = None):
         self.slots, self.max_queue = slots, max_queue
+        self.lanes_free = lanes_free  # the codec's free lanes: a request takes one at admission
         self.im_end = im_end  # the code that ends a chunk
         # Listener-aware turns (`decoding`): frames a second of audio; seconds of slack a stream may
         # have before it yields (0: nobody yields); the codec's first and largest piece of a stream
@@ -167,6 +169,11 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self._waiting) or len(self._free) < self.slots
+
+    def _room(self) -> int:
+        """Requests that can be admitted now: each takes a free slot and a free codec lane."""
+        room = len(self._free)
+        return min(room, self.lanes_free()) if room and self.lanes_free is not None else room
 
     def active(self) -> list[Request]:
         return [r for r in self.requests if r is not None]
@@ -225,7 +232,8 @@ class Scheduler:
         adapter could not be set up, with why: they fail alone. A ticket whose adapter is still
         being read keeps its place while those behind it go ahead."""
         taken, refused, held = [], [], []
-        while self._waiting and self._free:
+        room = self._room()
+        while self._waiting and len(taken) < room:
             ticket = self._waiting.popleft()
             if ticket.cancelled:
                 continue
@@ -309,7 +317,7 @@ class Scheduler:
         """Seconds until there is work: 0 when a ticket can take a slot, a chunk can start, a
         request was cancelled or wants a frame now; else until the first stream that yields
         wants one again (inf: nothing to do until something arrives)."""
-        if self._free and any(self._admissible(t) for t in self._waiting):
+        if self._waiting and self._room() and any(self._admissible(t) for t in self._waiting):
             return 0.0
         if self._cancelled or self.table.starting().size or self.ended_sessions():
             return 0.0
