@@ -182,15 +182,15 @@ def decode_step_inputs(model, batch: int, live: int) -> tuple[tuple, torch.Tenso
 def profile_decode(model, step, batch: int, live: int, calls: int = 20, top: int = 25) -> dict:
     """One decode step of `batch` rows at `live` cache slots: its kernels (`kernel_profile` of the
     step launched from Python, the same kernels as its graph) and the time of `step`'s replay
-    (a `GraphedStep`: `Engine.step`, or a batching engine's `runner.captured`)."""
+    (a batching engine's `runner.captured`, a `GraphedStep`, its batch size captured)."""
     dev = model.device
     args, key_pos = decode_step_inputs(model, batch, live)
     with torch.inference_mode():
         out = kernel_profile(lambda: decode_frame(*args, key_pos=key_pos, pickers=step.pickers_for(batch)), calls, dev,
                              top)
 
-        def replay():
-            return step(*args, key_pos=key_pos)
+        def replay():  # (on whatever inputs its buffer holds: the same kernels)
+            return step.replay(batch, key_pos.shape[0])
 
         replay()
         out["graph_ms_per_call"] = statistics.median(timed(replay, dev) * 1e3 for _ in range(calls))

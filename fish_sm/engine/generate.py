@@ -126,6 +126,60 @@ def decode_frame(model: DualARTransformer, frame: Tensor, input_pos: Tensor, win
     return sample_frame(model, logits, hidden, window, noise, temperature, top_p, penalty, pickers)
 
 
+class SlotState(NamedTuple):
+    """What a decode step over slots reads and writes besides the KV cache: each slot's last
+    frame `current` [slots + 1, 1 + C] and its codes so far `history` [slots + 1, 1 + C,
+    frames + window] (the penalty window's source); a step's Exp(1) `noise` rows; with
+    `keyed`, drawn in the step from each row's key (`kernels.exponential_noise`), else filled
+    before it; `adapters`: sets the rows' LoRA adapter slots (None: no adapters)."""
+    current: Tensor
+    history: Tensor
+    noise: Tensor
+    keyed: bool
+    adapters: Callable[[Tensor], None] | None = None
+
+
+STEP_INTS = 5  # a step's integers per row: noise key, cache row, position, frame index, adapter slot
+STEP_FLOATS = 3  # and floats: temperature, top_p, repetition penalty
+
+
+def step_layout(batch: int) -> tuple[int, int]:
+    """Where a step of `batch` rows finds its floats in its input buffer (its integers come
+    first, [STEP_INTS, batch] int64), and the buffer's bytes."""
+    floats = -(-STEP_INTS * batch * 8 // 16) * 16
+    return floats, floats + STEP_FLOATS * batch * 4
+
+
+def step_inputs(buffer: Tensor, batch: int) -> tuple[Tensor, Tensor]:
+    """A step's integers [STEP_INTS, batch] and floats [STEP_FLOATS, batch, 1], views of a byte buffer."""
+    at, end = step_layout(batch)
+    return (buffer[: STEP_INTS * batch * 8].view(torch.int64).view(STEP_INTS, batch),
+            buffer[at:end].view(torch.float32).view(STEP_FLOATS, batch, 1))
+
+
+def decode_slots(model: DualARTransformer, state: SlotState, ints: Tensor, floats: Tensor, key_pos: Tensor,
+                 pickers: Pickers = Pickers()) -> Tensor:
+    """One frame for each row of a step over slots, everything it reads gathered by the rows'
+    cache rows and everything it writes scattered back, so that a captured step is one replay
+    and one copy of its inputs: ints [STEP_INTS, B], floats [STEP_FLOATS, B, 1] (`step_inputs`).
+    Returns the frames [B, 1 + C]."""
+    keys, rows, input_pos, index, adapter_slots = ints
+    batch, codebooks = rows.shape[0], state.current.shape[1]
+    if state.adapters is not None:
+        state.adapters(adapter_slots)
+    noise = state.noise[:batch]
+    if state.keyed:
+        kernels.exponential_noise(keys, noise)
+    codebook_rows = torch.arange(codebooks, device=rows.device)
+    columns = (index - PENALTY_WINDOW).clamp(min=0)[:, None] + torch.arange(PENALTY_WINDOW, device=rows.device)
+    window = state.history[rows[:, None, None], codebook_rows[None, :, None], columns[:, None, :]]
+    out = decode_frame(model, state.current[rows], input_pos, window, noise, floats[0], floats[1], floats[2],
+                       key_pos=key_pos, pickers=pickers, rows=rows)
+    state.history[rows[:, None], codebook_rows[None, :], index[:, None]] = out
+    state.current.index_copy_(0, rows, out)
+    return out
+
+
 LIVE_BUCKET = 256  # cache slots; the compiled step reads at most this many more than it needs up to 2,048
 
 
@@ -181,22 +235,21 @@ def kernels_load_in_captures() -> bool:
 
 
 class GraphedStep:
-    """`decode_frame` replayed from CUDA graphs, one per (batch size, attention bucket), so a
-    frame is a single launch of all its kernels with no Python or launch overhead between
-    them; likewise the first frame after a prefill and the admissions' prefills.
-    Inputs are copied into static buffers (the first B rows of buffers sized for
-    `max_batch`); the output buffer is reused by the next replay (callers clone it).
-    `compile_options`: keyword arguments of every `kernels.compile_decode` call (inductor's
-    options for the layers and pickers).
+    """The batching engine's decode steps replayed from CUDA graphs, one per (batch size,
+    attention bucket): a step over slots (`decode_slots`: its gathers, noise, frame and
+    scatters) is one copy of its inputs into a static buffer and a single launch of all its
+    kernels, with no Python or launch overhead between them; likewise the first frame after a
+    prefill and the admissions' prefills. Each step names the cache rows of its sequences (an
+    input like the others: one graph serves any rows), and captures write into the scratch
+    row `scratch_row`, so graphs can be captured while other rows hold live requests.
+    Outputs are reused by the next replay (callers clone them). `compile_options`: keyword
+    arguments of every `kernels.compile_decode` call (inductor's options for the layers and
+    pickers)."""
 
-    With `scratch_row` (the batching engine), each decode step names the cache rows of its
-    sequences (an input like the others: one graph serves any rows) and captures write into
-    that spare row, so graphs can be captured while other rows hold live requests."""
-
-    def __init__(self, model: DualARTransformer, max_batch: int = 1, compile_options: Mapping = MappingProxyType({}),
-                 scratch_row: int | None = None):
-        dev, rows = model.device, 1 + model.config.num_codebooks
-        self.model = model
+    def __init__(self, model: DualARTransformer, state: SlotState, scratch_row: int, max_batch: int = 1,
+                 compile_options: Mapping = MappingProxyType({})):
+        dev = model.device
+        self.model, self.state = model, state
         # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels
         # (or, one row, our kernels); the graphs then replay those kernels.
         mode = kernels.BATCHING if max_batch > 1 else kernels.SEQUENTIAL
@@ -226,22 +279,13 @@ class GraphedStep:
         # kind of tensor from every caller (a buffer made outside inference mode would make
         # dynamo compile each layer half and sampler a second time for it).
         with torch.inference_mode():
-            self.inputs = {
-                "frame": torch.zeros(max_batch, rows, dtype=torch.long, device=dev),
-                "input_pos": torch.zeros(max_batch, dtype=torch.long, device=dev),
-                "window": torch.zeros(max_batch, rows, PENALTY_WINDOW, dtype=torch.long, device=dev),
-                "noise": torch.ones(max_batch, noise_size(model), device=dev),
-                "temperature": torch.ones(max_batch, 1, device=dev),
-                "top_p": torch.ones(max_batch, 1, device=dev),
-                "penalty": torch.ones(max_batch, 1, device=dev),
-            }
-            if scratch_row is not None:
-                self.inputs["rows"] = torch.full((max_batch,), scratch_row, dtype=torch.long, device=dev)
+            self.step_buffer = torch.zeros(step_layout(max_batch)[1], dtype=torch.uint8, device=dev)
             c = model.config
-            self.first_inputs = {  # the first frame after a prefill shares the sampling inputs
+            self.first_inputs = {  # the first frame after a prefill
                 "logits": torch.zeros(max_batch, c.semantic_vocab + 1, dtype=model.dtype, device=dev),
                 "hidden": torch.zeros(max_batch, c.fast_dim, dtype=model.dtype, device=dev),
-                **{k: self.inputs[k] for k in ("noise", "temperature", "top_p", "penalty")},
+                "noise": state.noise,
+                **{k: torch.ones(max_batch, 1, device=dev) for k in ("temperature", "top_p", "penalty")},
             }
         self.pool = torch.cuda.graph_pool_handle()
         # (batch, bucket): decode steps; ("first", batch): first frames
@@ -253,15 +297,20 @@ class GraphedStep:
         # then cannot invalidate this thread's capture.
         self.capture_error_mode = "global"
 
+    def inputs(self, batch: int) -> tuple[Tensor, Tensor]:
+        """The (batch) decode graphs' static inputs (`step_inputs`)."""
+        return step_inputs(self.step_buffer, batch)
+
     @torch.inference_mode()  # as every replay runs: one grad mode, one set of compiled graphs
     def capture(self, batch: int, bucket: int, warm_up: bool = True) -> None:
-        model, x = self.model, {k: v[:batch] for k, v in self.inputs.items()}
-        x["input_pos"].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
-        if "rows" in x:
-            x["rows"].fill_(self.scratch_row)
-        self.graphs[(batch, bucket)] = self._capture(lambda: decode_frame(
-            model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"], x["top_p"], x["penalty"],
-            key_pos=model.positions[:bucket], pickers=self.pickers_for(batch), rows=x.get("rows")), warm_up)
+        ints, floats = self.inputs(batch)
+        ints.zero_()
+        ints[1].fill_(self.scratch_row)
+        ints[2].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
+        floats.fill_(1.0)
+        key_pos, pickers = self.model.positions[:bucket], self.pickers_for(batch)
+        self.graphs[(batch, bucket)] = self._capture(
+            lambda: decode_slots(self.model, self.state, ints, floats, key_pos, pickers), warm_up)
 
     def pickers_for(self, batch: int) -> Pickers:
         return self.pickers_one if batch == 1 else self.pickers_many
@@ -305,8 +354,8 @@ class GraphedStep:
         sizes = [b for kind, b in self.graphs if kind == "first" and b >= batch]
         if not sizes:
             return sample_frame(self.model, logits, hidden, None, noise, temperature, top_p, penalty)
-        _fill(self.first_inputs, logits=logits, hidden=hidden, noise=noise, temperature=temperature, top_p=top_p,
-              penalty=penalty)
+        _fill(self.first_inputs, logits=logits, hidden=hidden, temperature=temperature, top_p=top_p, penalty=penalty,
+              **({} if noise.data_ptr() == self.state.noise.data_ptr() else {"noise": noise}))
         graph, out = self.graphs[("first", min(sizes))]
         graph.replay()
         return out[:batch]
@@ -317,13 +366,12 @@ class GraphedStep:
         ends to `width` positions, each into its own cache row, attending causally
         over its own `width` positions: the batching engine's admissions as one
         replay, not ~1,300 kernels launched from Python (measured 40-170 ms under load,
-        every stream waiting). Its capture writes into cache rows 0..batch-1, or the scratch row."""
+        every stream waiting). Its capture writes into the scratch row."""
         model, dev = self.model, self.model.device
-        rows = (torch.arange(batch, device=dev) if self.scratch_row is None
-                else torch.full((batch,), self.scratch_row, dtype=torch.long, device=dev))
         x = {"tokens": torch.zeros(batch, 1 + model.config.num_codebooks, width, dtype=torch.long, device=dev),
              "positions": torch.arange(width, device=dev).repeat(batch, 1),
-             "row": rows, "last": torch.zeros(batch, dtype=torch.long, device=dev)}
+             "row": torch.full((batch,), self.scratch_row, dtype=torch.long, device=dev),
+             "last": torch.zeros(batch, dtype=torch.long, device=dev)}
         graph, out = self._capture(lambda: model.forward_slow(x["tokens"], x["positions"], width,
                                                               row=x["row"], last=x["last"]))
         self.admissions[(batch, width)] = graph, x, out
@@ -348,11 +396,9 @@ class GraphedStep:
             out = run()
         return graph, out
 
-    def __call__(self, model, frame, input_pos, window, noise, temperature, top_p, penalty, key_pos,
-                 rows: Tensor | None = None) -> Tensor:
-        _fill(self.inputs, frame=frame, input_pos=input_pos, window=window, noise=noise, temperature=temperature,
-              top_p=top_p, penalty=penalty, **({} if rows is None else {"rows": rows}))
-        graph, out = self.graphs[(frame.shape[0], key_pos.shape[0])]
+    def replay(self, batch: int, bucket: int) -> Tensor:
+        """The (batch, bucket) decode step on whatever its inputs (`inputs`) hold: [batch, 1 + C]."""
+        graph, out = self.graphs[(batch, bucket)]
         graph.replay()
         return out
 
@@ -401,18 +447,28 @@ class HostStaging:
             end += -(-a.nbytes // self.ALIGN) * self.ALIGN
         if end > self.nbytes:
             return [to_device(torch.from_numpy(a), self.device) for a in arrays]
-        i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
-        if self.copied[i] is not None:
-            self.copied[i].synchronize()  # (a copy queued `depth` calls ago: done long since)
-        host = self.buffers[i].numpy()
-        for a, at in zip(arrays, offsets):
-            host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
         device = torch.empty(end, dtype=torch.uint8, device=self.device)
-        device.copy_(self.buffers[i][:end], non_blocking=True)
-        self.copied[i] = torch.cuda.Event()
-        self.copied[i].record()
+        self.write(device, list(zip(offsets, arrays)))
         return [device[at : at + a.nbytes].view(torch.from_numpy(a).dtype).view(a.shape)
                 for a, at in zip(arrays, offsets)]
+
+    def write(self, target: Tensor, parts: list[tuple[int, np.ndarray]]) -> None:
+        """Arrays into a byte buffer on the device (`target`, uint8), each at its byte offset,
+        in one asynchronous copy queued on the current stream."""
+        end = max(at + a.nbytes for at, a in parts)
+        if self.cuda:
+            i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+            if self.copied[i] is not None:
+                self.copied[i].synchronize()  # (a copy queued `depth` calls ago: done long since)
+            host = self.buffers[i].numpy()
+        else:
+            host = target.numpy()
+        for at, a in parts:
+            host[at : at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        if self.cuda:
+            target[:end].copy_(self.buffers[i][:end], non_blocking=True)
+            self.copied[i] = torch.cuda.Event()
+            self.copied[i].record()
 
 
 class HostCopy:

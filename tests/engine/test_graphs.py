@@ -9,8 +9,10 @@ later). Each graph must still replay exactly what an eager call computes.
 import pytest
 import torch
 
+from fish_sm import kernels
 from fish_sm.engine import Engine, generate
-from fish_sm.engine.generate import decode_frame, length_buckets
+from fish_sm.engine.generate import SlotState, decode_slots, length_buckets, noise_size
+from fish_sm.engine.sampling import PENALTY_WINDOW
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -41,20 +43,24 @@ def test_every_admission_graph_replays_its_eager_run(engine):
 
 
 def _decode_matches_eager(model, step, batch: int, bucket: int, seed: int) -> bool:
-    """One replay of the (batch, bucket) decode graph against decode_frame run eagerly on the same inputs."""
+    """One replay of the (batch, bucket) decode graph against `decode_slots` run eagerly on the
+    same inputs and the same slot state (each row's last frame and history, as before the replay)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = {k: v[:batch] for k, v in step.inputs.items()}
-    for name in ("frame", "window"):  # a semantic token, then residual codes
-        x[name].copy_(torch.randint(0, 1024, x[name].shape, device="cuda", generator=g))
-        x[name][:, 0] += model.semantic_begin_id
-    x["input_pos"].copy_(bucket - 1 - torch.randint(0, 200, (batch,), device="cuda", generator=g))
-    x["noise"].copy_(torch.empty(x["noise"].shape, device="cuda").exponential_(1, generator=g))
-    graph, out = step.graphs[(batch, bucket)]
-    graph.replay()
-    replayed = out[:batch].clone()
-    eager = decode_frame(model, x["frame"], x["input_pos"], x["window"], x["noise"], x["temperature"], x["top_p"],
-                         x["penalty"], key_pos=model.positions[:bucket], pickers=step.pickers_for(batch),
-                         rows=x.get("rows"))
+    state, (ints, floats) = step.state, step.inputs(batch)
+    rows = torch.randperm(step.scratch_row, device="cuda", generator=g)[:batch]
+    for t in (state.current, state.history):  # a semantic token, then residual codes
+        t[rows] = torch.randint(0, 1024, (batch, *t.shape[1:]), device="cuda", generator=g)
+        t[rows, 0] += model.semantic_begin_id
+    ints.copy_(torch.stack([torch.randint(0, 2**62, (batch,), device="cuda", generator=g), rows,
+                            bucket - 1 - torch.randint(0, 200, (batch,), device="cuda", generator=g),
+                            torch.randint(0, 300, (batch,), device="cuda", generator=g), torch.zeros_like(rows)]))
+    if not state.keyed:
+        state.noise[:batch].exponential_(1, generator=g)
+    before = [t.clone() for t in (state.current, state.history, state.noise)]
+    replayed = step.replay(batch, bucket).clone()
+    for t, b in zip((state.current, state.history, state.noise), before):
+        t.copy_(b)
+    eager = decode_slots(model, state, ints.clone(), floats.clone(), model.positions[:bucket], step.pickers_for(batch))
     return torch.equal(replayed, eager)
 
 
@@ -72,8 +78,12 @@ def test_several_rows_decode_graphs_replay_their_eager_runs(tiny_checkpoint):
     """Several rows (a batching server's steps): the first bucket of each batch size is
     captured warm, the rest cold."""
     engine = Engine.from_pretrained(tiny_checkpoint, device="cuda", max_seq_len=1024)
-    engine.model.setup_caches(4, 1024)
-    step = generate.GraphedStep(engine.model, max_batch=4)
+    model, rows = engine.model, 1 + engine.config.num_codebooks
+    model.setup_caches(5, 1024)  # four rows and a scratch row
+    state = SlotState(torch.zeros(5, rows, dtype=torch.long, device="cuda"),
+                      torch.zeros(5, rows, 1024 + PENALTY_WINDOW, dtype=torch.long, device="cuda"),
+                      torch.ones(4, noise_size(model), device="cuda"), kernels.sampling_usable(model.device))
+    step = generate.GraphedStep(model, state, scratch_row=4, max_batch=4)
     step.capture_all((1, 2, 4))
     buckets = length_buckets(1024)
     assert len(buckets) > 2

@@ -28,9 +28,9 @@ from torch import Tensor
 
 from fish_sm import kernels
 from fish_sm.engine.engine import Engine, request_generator
-from fish_sm.engine.generate import (GraphedStep, HostCopy, HostStaging, admission_shape, admission_shapes,
-                                     attention_bucket, batch_sizes, decode_frame, frame_budget, length_buckets,
-                                     noise_size, sample_frame, to_device)
+from fish_sm.engine.generate import (STEP_FLOATS, STEP_INTS, GraphedStep, HostCopy, HostStaging, SlotState,
+                                     admission_shape, admission_shapes, attention_bucket, batch_sizes, decode_slots,
+                                     frame_budget, length_buckets, noise_size, sample_frame, step_layout, to_device)
 from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
 from fish_sm.engine.sampling import PENALTY_WINDOW
 from fish_sm.kernels import exponential_noise
@@ -82,14 +82,14 @@ class ModelRunner:
         # How admissions ran: "captured", "compiled" (a shape no graph has), "continued" (after a prefix).
         self.prefills: collections.Counter = collections.Counter()
         self.noise = torch.ones(self.slots, noise_size(model), device=dev)  # per row of a step
-        self.codebook_rows = torch.arange(self.rows, device=dev)
         # On CUDA a step's noise is one kernel keyed by each request's seed and frame number
         # (`kernels.exponential_noise`); on the CPU each request's generator draws it, frame
         # after frame, so that a request gives the same codes batched or alone.
         self.keyed_noise = kernels.sampling_usable(dev)
-        self.window_offsets = torch.arange(PENALTY_WINDOW, device=dev)
         self.prefixes = PrefixCache(prefix_cache)
         self.adapters = engine.adapters  # LoRA adapters (each request's slot of them), or None
+        self.state = SlotState(self.current, self.history, self.noise, self.keyed_noise,
+                               None if self.adapters is None else self.adapters.slots.set_rows)
         # The scheduler's per-slot state and requests by slot (`bind`): what a step's inputs are built from.
         self.table: SlotTable | None = None
         self.requests: list[Request | None] = []
@@ -129,7 +129,7 @@ class ModelRunner:
         """Capture the decode step for every batch size up to `start_batch` and every attention
         bucket, their first frames and admissions; the larger sizes are left to
         `capture_next`. Returns the seconds from the first capture."""
-        step = GraphedStep(self.model, max_batch=self.slots, scratch_row=self.scratch)
+        step = GraphedStep(self.model, self.state, scratch_row=self.scratch, max_batch=self.slots)
         t0 = time.perf_counter()
         now = [b for b in self.batch_sizes if b <= start_batch]
         step.capture_all(now)
@@ -347,8 +347,8 @@ class ModelRunner:
         # index_fill_, not `history[rows] = 0`, which waits for the GPU's queued work.
         self.history.index_fill_(0, rows, 0)
         temperature, top_p, penalty = sampling
-        if self.keyed_noise:
-            noise = exponential_noise(keys, torch.empty(len(requests), self.noise.shape[1], device=dev))
+        if self.keyed_noise:  # into the step's noise rows, which the first frames' graphs read
+            noise = exponential_noise(keys, self.noise[: len(requests)])
         else:
             noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
                                  for r in requests])
@@ -374,44 +374,31 @@ class ModelRunner:
 
     def _decode_rows(self, slots: np.ndarray) -> StepRows:
         """One replay (or, without graphs, one eager step) for these slots, its inputs built
-        from the slot table's arrays and copied to the GPU at once; padding rows name the
-        scratch row."""
+        from the slot table's arrays and copied to the GPU at once (into the graph's own
+        buffer); padding rows name the scratch row."""
         n, t = len(slots), self.table
         batch = n if self.captured is None else next(b for b in self.ready_sizes if b >= n)
         index = t.computed[slots] - 1  # which frame of the chunk it feeds (it samples the next)
-        # Keys first: the noise kernel then always reads an aligned buffer (one Triton specialisation).
-        inputs = np.zeros((5, batch), np.int64)  # noise key, cache row, position, frame index, adapter
-        inputs[1] = self.scratch
-        inputs[1, :n] = slots
-        inputs[2, :n] = t.length[slots] + index  # where the last frame goes
-        inputs[3, :n] = index
-        inputs[4, :n] = t.adapter[slots]
-        sampling = np.ones((3, batch, 1), np.float32)  # padding rows: temperature, top_p, penalty 1
-        sampling[:, :n, 0] = t.sampling[:, slots]
+        ints = np.zeros((STEP_INTS, batch), np.int64)  # noise key, cache row, position, frame index, adapter
+        ints[1] = self.scratch
+        ints[1, :n] = slots
+        ints[2, :n] = t.length[slots] + index  # where the last frame goes
+        ints[3, :n] = index
+        ints[4, :n] = t.adapter[slots]
+        floats = np.ones((STEP_FLOATS, batch, 1), np.float32)  # padding rows: temperature, top_p, penalty 1
+        floats[:, :n, 0] = t.sampling[:, slots]
         if self.keyed_noise:
-            inputs[0, :n] = t.next_keys(slots)
+            ints[0, :n] = t.next_keys(slots)
         else:  # each request's generator draws its noise, the same batched or alone
             for i, slot in enumerate(slots):
                 self.noise[i].exponential_(1, generator=self.requests[slot].generator)
-        live = int(inputs[2, :n].max()) + 1
-        key_pos = self.model.positions[: attention_bucket(self.max_seq_len, live)]
-        inputs, sampling = self.staging.copy(inputs, sampling)
-        keys, rows, input_pos, frame_index = inputs[0], inputs[1], inputs[2], inputs[3]
-        if self.adapters is not None:
-            self.adapters.slots.set_rows(inputs[4])
-        if self.keyed_noise:
-            exponential_noise(keys, self.noise[:batch])
-        start = (frame_index - PENALTY_WINDOW).clamp(min=0)
-        columns = (start[:, None] + self.window_offsets)[:, None, :].expand(batch, self.rows, PENALTY_WINDOW)
-        window = self.history[rows[:, None, None], self.codebook_rows[None, :, None], columns]
-        temperature, top_p, penalty = sampling
-        args = (self.model, self.current[rows], input_pos, window, self.noise[:batch], temperature, top_p, penalty)
+        bucket = attention_bucket(self.max_seq_len, int(ints[2, :n].max()) + 1)
         if self.captured is None:
-            out = decode_frame(*args, key_pos=key_pos, rows=rows)
+            ints, floats = self.staging.copy(ints, floats)
+            out = decode_slots(self.model, self.state, ints, floats, self.model.positions[:bucket])
         else:
-            out = self.captured(*args, key_pos=key_pos, rows=rows)
-        self.history[rows[:, None], self.codebook_rows[None, :], frame_index[:, None]] = out
-        self.current[rows] = out
+            self.staging.write(self.captured.step_buffer, [(0, ints), (step_layout(batch)[0], floats)])
+            out = self.captured.replay(batch, bucket)
         return StepRows(slots, t.generation[slots], t.chunk[slots], index + 1, host_frames(out[:n]))
 
     def _use_adapters(self, adapter_slots: list[int]) -> None:
