@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from fish_sm import kernels
+
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.engine import Engine
-from fish_sm.engine.generate import attention_bucket, decode_frame, noise_size
+from fish_sm.engine.generate import GraphedStep, attention_bucket, decode_frame, noise_size
 from fish_sm.engine.sampling import PENALTY_WINDOW, sampling_tensors
 
 # A 20-word sentence, the text the checks (and the benchmark's first audio) prompt with.
@@ -35,6 +37,7 @@ def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int =
     compiled_slow = model.forward_slow if dev.type == "cuda" else torch.compile(model.forward_slow, fullgraph=True)
     t, p, r = (x.view(1, 1) for x in sampling_tensors(SamplingParams(seed=0), dev))
     step = compiled_step(engine)
+    captured = isinstance(step, GraphedStep)
     row = torch.zeros(1, dtype=torch.long, device=dev)
     worst, scale, agree, total = 0.0, 0.0, 0, 0
     with torch.inference_mode():
@@ -52,12 +55,33 @@ def compare_compiled_to_eager(engine: Engine, prompt: torch.Tensor, steps: int =
             worst = max(worst, (eager_logits.float() - comp_logits.float()).abs().max().item())
             scale = max(scale, eager_logits.float().abs().max().item())
             noise = torch.empty(1, noise_size(model), device=dev).exponential_(1, generator=g)
+            if captured and step.state.keyed:  # the noise the captured step draws from its key
+                noise = kernels.exponential_noise(torch.full((1,), i, dtype=torch.long, device=dev), noise)
             a = decode_frame(model, frame[None], pos, window[None], noise, t, p, r, live=length + i + 1)[0]
-            b = step(model, frame[None], pos, window[None], noise, t, p, r, key_pos=bucket, rows=row)[0].clone() if step else a
+            if step is None:
+                b = a
+            elif captured:
+                b = _captured_frame(step, frame, length + i, noise, (t, p, r), bucket.shape[0], key=i)
+            else:
+                b = step(model, frame[None], pos, window[None], noise, t, p, r, key_pos=bucket, rows=row)[0]
             agree += int((a == b).sum())
             total += a.numel()
             frame = a
     return {"max_abs_logit_diff": worst, "max_abs_logit": scale, "code_agreement": agree / total}
+
+
+def _captured_frame(step, frame: torch.Tensor, position: int, noise: torch.Tensor, sampling, bucket: int,
+                    key: int) -> torch.Tensor:
+    """The one-slot captured step's frame after `frame` at `position` in cache row 0, with an
+    empty penalty window and this noise (drawn from `key` when the step draws its own)."""
+    state, (ints, floats) = step.state, step.inputs(1)
+    state.current[0] = frame
+    state.history[0].zero_()
+    if not state.keyed:
+        state.noise[:1] = noise
+    ints.copy_(torch.tensor([[key], [0], [position], [0], [0]], device=ints.device))
+    floats.copy_(torch.stack([x.view(1, 1) for x in sampling]))
+    return step.replay(1, bucket)[0].clone()
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
