@@ -291,6 +291,7 @@ class GraphedStep:
         # (batch, bucket): decode steps; ("first", batch): first frames
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.admissions: dict[tuple[int, int], tuple] = {}  # (batch, width) -> graph, inputs, outputs
+        self.continuations: dict[tuple[int, int, int], tuple] = {}  # (batch, width, live): after a prefix
         self.timings: dict[str, float] = {}  # capture seconds by kind (capture_all)
         self.scratch_row = scratch_row
         # "thread_local" once other threads use the GPU (captures beside serving): their calls
@@ -375,6 +376,30 @@ class GraphedStep:
         graph, out = self._capture(lambda: model.forward_slow(x["tokens"], x["positions"], width,
                                                               row=x["row"], last=x["last"]))
         self.admissions[(batch, width)] = graph, x, out
+
+    @torch.inference_mode()
+    def capture_continuation(self, batch: int, width: int, live: int) -> None:
+        """A prefill of `batch` prompts after a reused prefix, padded at their ends to `width`
+        positions, each attending over the first `live` slots of its cache row (those after a
+        query masked): one replay for a voice's prompt after its kept prefix. Its capture
+        writes into the scratch row."""
+        model, dev = self.model, self.model.device
+        x = {"tokens": torch.zeros(batch, 1 + model.config.num_codebooks, width, dtype=torch.long, device=dev),
+             "positions": torch.arange(width, device=dev).repeat(batch, 1),
+             "row": torch.full((batch,), self.scratch_row, dtype=torch.long, device=dev),
+             "last": torch.zeros(batch, dtype=torch.long, device=dev)}
+        key_pos = model.positions[:live]
+        graph, out = self._capture(lambda: model.forward_slow(x["tokens"], x["positions"], live, key_pos=key_pos,
+                                                              row=x["row"], last=x["last"]))
+        self.continuations[(batch, width, live)] = graph, x, out
+
+    def continue_prompts(self, key: tuple[int, int, int], tokens: Tensor, positions: Tensor, row: Tensor,
+                         last: Tensor) -> tuple[Tensor, Tensor]:
+        """`capture_continuation`'s (batch, width, live) graph on these inputs: its outputs."""
+        graph, x, out = self.continuations[key]
+        _fill(x, tokens=tokens, positions=positions, row=row, last=last)
+        graph.replay()
+        return out
 
     def admit(self, tokens: Tensor, positions: Tensor, row: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
         """`forward_slow` of prompts from position 0 already padded to a captured (batch,

@@ -108,3 +108,36 @@ def test_a_later_capture_runs_its_function_once_where_the_driver_loads_kernels_i
     assert len(calls) == (3 if cold else 4)
     monkeypatch.undo()
     assert _decode_matches_eager(model, step, 1, bucket, seed=11)
+
+
+@torch.inference_mode()
+def test_a_continuation_graph_replays_its_eager_run(engine):
+    """A prompt after a kept prefix, captured: against the compiled layers on the same inputs."""
+    model, step = engine.model, _step(engine)
+    step.capture_continuation(1, 64, 512)
+    graph, x, out = step.continuations[(1, 64, 512)]
+    g = torch.Generator().manual_seed(3)
+    x["tokens"].copy_(torch.randint(0, 1000, x["tokens"].shape, generator=g))
+    x["positions"].copy_(300 + torch.arange(64))
+    x["last"].fill_(40)
+    graph.replay()
+    replayed = [t.clone() for t in out]
+    eager = model.forward_slow(x["tokens"], x["positions"], 512, key_pos=model.positions[:512], row=x["row"],
+                               last=x["last"])
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(replayed, eager))
+
+
+def test_a_prompt_after_a_kept_prefix_is_captured_for_the_next_of_its_shape(engine):
+    """The first prompt after a voice's prefix runs the compiled layers and queues its shape;
+    the engine captures it while idle, and the next prompt of that shape replays it, giving
+    the same codes."""
+    from fish_sm.engine import Reference
+
+    codes = torch.randint(0, 1024, (engine.config.num_codebooks, 40), generator=torch.Generator().manual_seed(4))
+    voice = Reference("A voice to imitate.", codes)
+    runner = engine.batching().runner
+    before = runner.prefills[("continued", "captured")]
+    first = engine.synthesize("Hello there.", voice, seed=5, max_new_tokens=6)
+    second = engine.synthesize("Hello there.", voice, seed=5, max_new_tokens=6)
+    assert runner.prefills[("continued", "captured")] == before + 1
+    assert torch.equal(first.codes, second.codes)

@@ -96,6 +96,7 @@ class ModelRunner:
         self.captured: GraphedStep | None = None  # the decode steps, first frames and admissions (CUDA, `capture`)
         self.ready_sizes: list[int] = []  # batch sizes whose decode steps are captured for every bucket
         self._to_capture: list[tuple] = []  # what `capture_next` captures, in order
+        self._queued: set[tuple] = set()  # continuations queued for capture (`_admission`)
         self.steps = 0
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int,
@@ -170,6 +171,9 @@ class ModelRunner:
         elif kind == "first":
             step.capture_first(*args)
             self.ready_sizes.append(args[0])  # its decode steps came just before
+        elif kind == "continued":
+            step.capture_continuation(*args)
+            return
         else:
             step.capture_admission(*args)
         if not self._to_capture:
@@ -300,7 +304,10 @@ class ModelRunner:
         rests = [prompt[:, start:] for _, prompt, start in group]
         starts = [start for _, _, start in group]
         width = max(rest.shape[1] for rest in rests)
-        batch, width = self._admission_shape(len(group), width) if not any(starts) else (len(group), width)
+        if not any(starts):
+            batch, width = self._admission_shape(len(group), width)
+        else:  # after a prefix: the shape a captured continuation has, or will once captured (`_admission`)
+            batch, width = self._group_shape(len(group), width)
         rests += rests[:1] * (batch - len(group))
         starts += starts[:1] * (batch - len(group))
         tokens = np.empty((batch, self.rows, width), np.int64)
@@ -317,8 +324,11 @@ class ModelRunner:
     def _admission(self, tokens: Tensor, positions: Tensor, rows: Tensor, last: Tensor, live: int, from_zero: bool,
                    captured: bool = True):
         """The slow transformer over padded prompts: a captured admission's replay where
-        there is one (prompts from position 0), else the compiled layers (eagerly on CPU)
-        attending over the `live` slots in use; from position 0, causally over their own."""
+        there is one, else the compiled layers (eagerly on CPU); from position 0 causally over
+        their own positions, after a reused prefix over the `live` slots in use (on CUDA, as
+        many as the attention bucket that holds them). A continuation of a shape no graph has
+        yet is captured between steps, for the next prompt of its shape (a voice's prompts
+        after its kept prefix are all alike)."""
         shape = (tokens.shape[0], tokens.shape[-1])
         if captured and from_zero and self.captured is not None and shape in self.captured.admissions:
             self.prefills["captured"] += 1
@@ -326,8 +336,19 @@ class ModelRunner:
         if from_zero:
             self.prefills["compiled", *shape] += 1
             return self.model.forward_slow(tokens, positions, tokens.shape[-1], row=rows, last=last)
+        if self.captured is None:
+            self.prefills["continued"] += 1
+            return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
+        key = (*shape, attention_bucket(self.max_seq_len, live))
+        if captured and key in self.captured.continuations:
+            self.prefills["continued", "captured"] += 1
+            return self.captured.continue_prompts(key, tokens, positions, rows, last)
+        if captured and self.captured.admissions and shape == self._group_shape(*shape) and key not in self._queued:
+            self._queued.add(key)
+            self._to_capture.append(("continued", *key))
         self.prefills["continued"] += 1
-        return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
+        return self.model.forward_slow(tokens, positions, key[-1], key_pos=self.model.positions[: key[-1]], row=rows,
+                                       last=last)
 
     def _prefill_batch(self, group: list[tuple[Request, Tensor, int]]) -> list[StepRows]:
         """One prefill for several prompts (each from its own start position, in its own slot,
