@@ -54,6 +54,10 @@ class Settings:
     # matmuls in TF32; 51 dB SNR against float32) | float32 (the codec's own precision throughout)
     codec_precision: str = "auto"
     max_lines: int = 256  # lines a JSON Lines body may hold; more is a 413
+    # bidirectional sessions: seconds with no message from the client and nothing left to speak
+    # before the server closes it (the platform's pings do not count), and the longest a session may last
+    session_idle_s: float = 60.0
+    session_max_s: float = 3600.0
     header_timeout: float = 10.0  # seconds a client may take to send a request's headers
     body_timeout: float = 60.0  # seconds a client may take to send a request's body
     manifest_sha256: str = ""  # set by deploy: the sha256 the package's manifest.json must have
@@ -106,6 +110,8 @@ class Settings:
             raise ConfigError(f"{PREFIX}MAX_REFERENCE_SECONDS must be positive, WARMUP and MAX_SEQ_LEN not negative")
         if self.max_queue < 0 or self.prefix_cache < 0:
             raise ConfigError(f"{PREFIX}MAX_QUEUE and {PREFIX}PREFIX_CACHE must not be negative")
+        if not (0 < self.session_idle_s <= 3600 and 0 < self.session_max_s <= 86400):
+            raise ConfigError(f"{PREFIX}SESSION_IDLE_S must be in (0, 3600] seconds, {PREFIX}SESSION_MAX_S in (0, 86400]")
         if not (0 < self.header_timeout <= 3600 and 0 < self.body_timeout <= 3600):
             raise ConfigError(f"{PREFIX}HEADER_TIMEOUT and {PREFIX}BODY_TIMEOUT must be in (0, 3600] seconds")
         for source in self.adapter_sources:

@@ -251,7 +251,7 @@ class BatchingApp:
         pieces = []
         try:
             while True:
-                kind, payload = await next_event(request, handle)
+                kind, payload = await handle.next_event(request)
                 if kind == "admitted":
                     if admitted is not None and not admitted.done():
                         admitted.set_result(None)
@@ -301,7 +301,7 @@ class BatchingApp:
         response, first_byte = None, None
         try:
             while True:
-                event, payload = await next_event(request, handle)
+                event, payload = await handle.next_event(request)
                 if event == "admitted" or (event == "audio" and not len(payload)):
                     continue
                 if event == "done" and response is None:
@@ -331,22 +331,6 @@ class BatchingApp:
         finally:
             handle.cancel()
             _log_request(request, handle, True, first_byte)
-
-
-async def next_event(request: web.Request, handle: CoreRequest):
-    """The request's next event from its core; ConnectionResetError as soon as the client has gone.
-    (A core that dies sends its requests an error event: nothing hangs on it.)"""
-    while True:
-        try:
-            return await asyncio.wait_for(handle.events.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            _check_client(request)
-
-
-def _check_client(request: web.Request) -> None:
-    """ConnectionResetError once the client has gone (its request's finally frees the slot)."""
-    if request.transport is None or request.transport.is_closing():
-        raise ConnectionResetError("the client disconnected")
 
 
 def _log_request(request: web.Request, handle: CoreRequest, stream: bool, first_byte: float | None) -> None:

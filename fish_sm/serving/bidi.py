@@ -29,8 +29,20 @@ The protocol, client to server:
    {"end": true} means no more text: the rest is spoken, then the server sends "done" and
    closes; {"cancel": true} is barge-in: generation stops at the next step, the batch row is
    freed, the server sends {"cancelled": true} and closes; {"text": "..."} is text (for text that
-   starts with "{"). A bad control message gets an error message and the session goes on.
-   A client that closes the socket cancels the session (nobody is left to listen).
+   starts with "{"); {"clear": true} is barge-in that keeps the session: the sentence being
+   spoken stops at the next step, the sentences queued and the text buffered are dropped, audio
+   not yet sent is discarded, the server answers {"cleared": {"sentences": [indices cut],
+   "characters": N, "audio_seconds": S (of the cut sentence, sent before the clear)}}, and
+   the session takes new text with its voice, reference and adapter as before. A bad control
+   message gets an error message and the session goes on.
+4. Closing the input (a WebSocket close from the client) is an end: text already sent is
+   spoken, its audio still sent (a closing client still reads until the server's close), then
+   "done" and the close. With nothing left to speak the session ends at once. A connection that
+   breaks cancels the session (nobody is left to listen).
+5. A session with no message from the client for `FISH_SM_SESSION_IDLE_S` (60 s) and nothing
+   left to speak, or one older than `FISH_SM_SESSION_MAX_S` (an hour), is closed with
+   {"error": ..., "status": 408, "reason": "idle" or "max_length"}; WebSocket pings (the
+   platform's) do not count as messages.
 
 Server to client: {"ready": true, "sample_rate": R, "format": F} once the session is queued;
 binary frames of audio as it is decoded (16-bit little-endian mono PCM; for "wav" a WAV header
@@ -63,7 +75,7 @@ from fish_sm.serving.request import load_json
 logger = logging.getLogger("fish_sm.serving")
 
 PATH = "/invocations-bidirectional-stream"
-CONTROLS = frozenset({"flush", "end", "cancel", "text"})
+CONTROLS = frozenset({"flush", "end", "cancel", "clear", "text"})
 # A sentence's end: . ! ? … before whitespace (or before the end of a message: see `sentences`),
 # a full-width 。！？ anywhere, a newline.
 _END_BEFORE_SPACE = re.compile(r"[.!?…](?=\s)|[。！？]|\n")
@@ -117,8 +129,14 @@ class BidiSession:
         self.first_queued: float | None = None  # when the first sentence went to the engine
         self.first_audio: float | None = None
         self.cancelled = False
+        self.input_closed = False  # the client closed its side: speak what was sent, then end
+        self.finished = 0  # sentences spoken or cut, in order
+        self.clears: list[tuple[int, int]] = []  # clears on their way: (sentences before it, characters dropped)
+        self.samples_since_spoken = 0  # audio sent of the sentence being spoken
+        self.last_active = self.opened  # the client's last message, or the last sentence spoken
         self.figures = SessionFigures()
-        # done, cancelled, closed (the client left), refused (a bad first message, a full server), failed
+        # done, cancelled, closed (the client left), refused (a bad first message, a full server),
+        # timeout (idle, or too long), failed
         self.outcome = "closed"
 
     async def error(self, message: str, status: int = 400, ends: bool = False) -> None:
@@ -169,16 +187,14 @@ class BidiSession:
             return False
         self.tts = tts
         self.format = tts.format or "pcm"
-        rate = core.sample_rate
+        rate = self.rate = core.sample_rate
         await self.ws.send_json({"ready": True, "sample_rate": rate, "format": self.format})
         if self.format == "wav":
             await self.ws.send_bytes(audio_out.open_wav_header(rate))
         return True
 
     async def _next(self):
-        from fish_sm.serving.batching_server import next_event
-
-        return await next_event(self.request, self.session)
+        return await self.session.next_event(self.request)
 
     def _settings_of(self, data) -> TTSRequest:
         text = _text_of(data)
@@ -205,20 +221,46 @@ class BidiSession:
     # -- the session ------------------------------------------------------------------
 
     async def run(self) -> None:
-        reader = asyncio.create_task(self._read())
+        reader, watch = asyncio.create_task(self._read()), asyncio.create_task(self._watch())
         try:
             await self._write()
         finally:
             reader.cancel()
+            watch.cancel()
             if self.session is not None:
                 self.session.cancel()  # no-op once done; frees the row if the client left or it failed
+
+    def _speaking(self) -> bool:
+        return len(self.sentences) > self.finished
+
+    async def _watch(self) -> None:
+        """Close the session when it has been idle too long (no client message, nothing to
+        speak) or has lasted too long: a final error event, then the row is freed."""
+        idle, most = self.settings.session_idle_s, self.settings.session_max_s
+        while True:
+            now = time.perf_counter()
+            ends = self.opened + most
+            if now >= ends:
+                reason = f"the session reached its {most:g} s limit"
+                break
+            if not self._speaking() and now >= self.last_active + idle:
+                reason = f"the session was idle for {idle:g} s (no message, nothing to speak)"
+                break
+            wake = ends if self._speaking() else min(ends, self.last_active + idle)
+            await asyncio.sleep(max(wake - now, 0.05))  # (a deadline: activity moves it, checked on waking)
+        self.events.put_nowait(("timeout", (reason, "max_length" if now >= ends else "idle")))
 
     async def _read(self) -> None:
         """Client messages until the end of the input; the session is closed or cancelled after."""
         try:
-            async for msg in self.ws:
+            while True:  # (not `async for`: it ends at a close without showing it)
+                msg = await self.ws.receive()
+                if msg.type == WSMsgType.CLOSE and not self.cancelled:  # the input ends: finish what was sent
+                    await self._input_closed()
+                    return
                 if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                     break
+                self.last_active = time.perf_counter()
                 text = _text_of(msg.data)
                 if text is None:
                     await self.error("a message is not UTF-8 text")
@@ -234,6 +276,17 @@ class BidiSession:
         self.session.cancel()
         self.events.put_nowait(("closed", None))
 
+    async def _input_closed(self) -> None:
+        """The client closed its side: the text it sent is spoken (a closing client still reads
+        what the server sends until the server's close), then the session ends with "done"."""
+        self.input_closed = True
+        await self._speak(self.buffer.flush())
+        if self._speaking():
+            self.session.close()
+        else:  # nothing left to say: the session ends now
+            self.session.cancel()
+            self.events.put_nowait(("closed", None))
+
     async def _control(self, text: str) -> bool:
         """One control message; true once the input has ended."""
         try:
@@ -244,7 +297,7 @@ class BidiSession:
             if unknown:
                 raise HTTPError(400, f"unknown control field(s): {', '.join(unknown)}; accepted: "
                                      f"{', '.join(sorted(CONTROLS))}")
-            for name in ("flush", "end", "cancel"):
+            for name in ("flush", "end", "cancel", "clear"):
                 if name in doc and doc[name] is not True:
                     raise HTTPError(400, f"control {name!r} must be true")
             if "text" in doc and not isinstance(doc["text"], str):
@@ -257,6 +310,10 @@ class BidiSession:
             self.session.cancel()
             self.events.put_nowait(("cancelled", None))
             return True
+        if doc.get("clear"):
+            dropped = sum(len(s) for s in self.buffer.flush())
+            self.clears.append((len(self.sentences), dropped))
+            self.session.clear()
         if "text" in doc:
             await self._text(doc["text"])
         if doc.get("flush") or doc.get("end"):
@@ -296,14 +353,25 @@ class BidiSession:
         """Engine events out to the client until the session is over."""
         while True:
             kind, payload = await self._next()
-            if kind == "audio" and len(payload) and not self.cancelled:
+            if kind == "audio" and len(payload) and not self.cancelled and not self.clears:
+                self.samples_since_spoken += len(payload)
                 if self.first_audio is None:
                     self.first_audio = time.perf_counter()
                     self.figures.first_audio_ms = (self.first_audio - (self.first_queued or self.opened)) * 1e3
                 await self.ws.send_bytes(audio_out.pcm16(payload))
             elif kind == "spoken":
                 self.figures.sentences_spoken += 1
+                self.finished, self.samples_since_spoken = payload + 1, 0
+                self.last_active = time.perf_counter()
                 await self.ws.send_json({"spoken": payload})
+            elif kind == "cleared":
+                upto, dropped = self.clears.pop(0)
+                cut = list(range(self.finished, upto))
+                seconds = self.samples_since_spoken / self.rate if cut else 0.0
+                self.finished, self.samples_since_spoken = max(self.finished, upto), 0
+                self.last_active = time.perf_counter()
+                await self.ws.send_json({"cleared": {"sentences": cut, "audio_seconds": round(seconds, 3),
+                                                     "characters": sum(len(self.sentences[i]) for i in cut) + dropped}})
             elif kind == "done":
                 self.outcome = "done"
                 await self.ws.send_json({"done": self._summary(payload)})
@@ -316,6 +384,12 @@ class BidiSession:
             elif kind == "cancelled":
                 self.outcome = "cancelled"
                 await self.ws.send_json({"cancelled": True})
+                return
+            elif kind == "timeout":
+                message, reason = payload
+                self.outcome = "timeout"
+                self.figures.status = 408
+                await self.ws.send_json({"error": f"{message}: closed", "status": 408, "reason": reason})
                 return
             elif kind == "closed":
                 return
@@ -340,7 +414,8 @@ def _text_of(data) -> str | None:
 
 async def bidirectional_stream(server, request: web.Request) -> web.StreamResponse:
     """The route's handler: one session per WebSocket, its problems as error messages."""
-    ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES)
+    # autoclose off: a client's close is the end of its input, and its audio still goes out (`_input_closed`).
+    ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoclose=False)
     await ws.prepare(request)
     bidi = BidiSession(server, request, ws)
     try:

@@ -261,6 +261,10 @@ class Core:
             session = self._ticket(command.id)
             if session is not None and hasattr(session, "close"):
                 session.close()
+        elif isinstance(command, ipc.Clear):
+            session = self._ticket(command.id)
+            if session is not None and hasattr(session, "clear"):
+                session.clear()
         elif isinstance(command, ipc.Cancel):
             with self._lock:
                 held = self._held.pop(command.id, None)
@@ -483,6 +487,8 @@ class Core:
             return ipc.Admitted(id, held.timings(), held.accepted_s()), None
         if kind == "spoken":
             return ipc.Spoken(id, int(payload)), None
+        if kind == "cleared":
+            return ipc.Cleared(id), None
         if kind == "done":
             event = ipc.Done(id, int(payload.frames), float(payload.seconds), float(payload.rtf),
                              {k: float(v) for k, v in payload.timings.items()}, held.accepted_s())

@@ -61,7 +61,8 @@ class Synthesized:
 class CoreRequest:
     """A request (or session) on one core: its events in order on `events`, as (kind, payload):
     ("admitted", None), ("opened", None) (a session is queued), ("audio", float32 samples),
-    ("spoken", i), ("rejected", HTTPError) (a session's sentence refused; it goes on), then
+    ("spoken", i), ("cleared", None) (a session's clear took effect), ("rejected", HTTPError) (a
+    session's sentence refused; it goes on), then
     ("done", Synthesized) or ("error", HTTPError)."""
 
     def __init__(self, core: "EngineCore", id: int, bounded: bool):
@@ -71,6 +72,16 @@ class CoreRequest:
         self.ended = False
         self.timings: dict[str, float] = {}  # the core's: seconds from the engine taking it
         self.accepted_s = 0.0  # the core's time before the engine took it (a reference encoded)
+
+    async def next_event(self, client) -> tuple[str, object]:
+        """The next event from its core; ConnectionResetError as soon as the client (an aiohttp
+        request) has gone. (A core that dies sends its requests an error event: nothing hangs.)"""
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if client.transport is None or client.transport.is_closing():
+                    raise ConnectionResetError("the client disconnected") from None
 
     def cancel(self) -> None:
         """Free its slot (the client left, or barged in); no more events come. A no-op once ended."""
@@ -86,6 +97,11 @@ class CoreRequest:
         """No more text for a session (a no-op once it has ended: its end is on its way)."""
         if not self.ended and self.core.alive():
             self.core.send(self, ipc.Close(self.id))
+
+    def clear(self) -> None:
+        """Barge-in that keeps a session: what it was given so far is cut; "cleared" follows."""
+        if not self.ended and self.core.alive():
+            self.core.send(self, ipc.Clear(self.id))
 
 
 def launch_process(model_dir: Path, device: str, addresses: ipc.CoreAddresses) -> subprocess.Popen:
@@ -292,7 +308,7 @@ class EngineCore:
                 logger.exception("%s: event %r failed", self, type(event).__name__)
 
     def _on_event(self, event: ipc.Event, samples: np.ndarray | None) -> None:
-        if isinstance(event, (ipc.Admitted, ipc.Opened, ipc.Audio, ipc.Spoken, ipc.Done, ipc.Failed)):
+        if isinstance(event, (ipc.Admitted, ipc.Opened, ipc.Audio, ipc.Spoken, ipc.Cleared, ipc.Done, ipc.Failed)):
             request = self.requests.get(event.id)
             if request is not None:  # else cancelled, or ended by our side already
                 self._on_request_event(request, event, samples)
@@ -330,6 +346,8 @@ class EngineCore:
             request.events.put_nowait(("admitted", None))
         elif isinstance(event, ipc.Spoken):
             request.events.put_nowait(("spoken", event.index))
+        elif isinstance(event, ipc.Cleared):
+            request.events.put_nowait(("cleared", None))
         elif isinstance(event, ipc.Opened):
             request.events.put_nowait(("opened", None))
         elif isinstance(event, ipc.Done):

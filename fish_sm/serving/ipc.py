@@ -73,6 +73,12 @@ class Close(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     id: int
 
 
+class Clear(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Barge-in that keeps the session: the sentences queued so far are cut, it takes new text."""
+
+    id: int
+
+
 class Cancel(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """The client went away (or barged in): free the request's slot; nothing more is sent for it."""
 
@@ -89,7 +95,7 @@ class Shutdown(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """Stop the engine and exit 0 (the front end has drained its requests)."""
 
 
-Command = Submit | OpenSession | Speak | Close | Cancel | ForgetAdapter | Shutdown
+Command = Submit | OpenSession | Speak | Close | Clear | Cancel | ForgetAdapter | Shutdown
 
 
 # -- core to front end ------------------------------------------------------------------------
@@ -157,6 +163,12 @@ class Spoken(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     index: int
 
 
+class Cleared(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """A session's `Clear` took effect: every event before it belongs to what was cut."""
+
+    id: int
+
+
 class Done(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     id: int
     frames: int
@@ -179,7 +191,7 @@ class Failed(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     accepted_s: float = 0.0
 
 
-Event = Hello | Ready | StartFailed | Stopped | Load | Admitted | Opened | Audio | Spoken | Done | Failed
+Event = Hello | Ready | StartFailed | Stopped | Load | Admitted | Opened | Audio | Spoken | Cleared | Done | Failed
 
 
 # -- encoding ------------------------------------------------------------------------------

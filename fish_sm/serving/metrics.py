@@ -210,7 +210,7 @@ class Metrics:
 
     def session(self, figures: SessionFigures, outcome: str) -> None:
         """A bidirectional-streaming session's line, when it ends (`outcome`: done, cancelled, closed,
-        refused or failed, logged beside the metrics)."""
+        refused, timeout or failed, logged beside the metrics)."""
         if self.enabled:
             seconds = time.perf_counter() - figures.started
             self._emit(emf_line(self.dimensions, figures.values(seconds), SESSION_METRICS,

@@ -540,6 +540,42 @@ def test_a_session_speaks_each_sentence_as_it_arrives_with_the_codes_of_the_long
     assert start == whole.frames
 
 
+def test_a_cleared_session_keeps_its_slot_and_speaks_only_what_follows(tiny_checkpoint, solo):
+    """`Session.clear` (barge-in that keeps the session), active and still waiting: what was
+    given before it is never spoken (the cut sentence stops, its frames are dropped), ("cleared",
+    None) comes after the audio that was already out, and a sentence after it is spoken with its
+    index, from a prompt without the cut one: the codes a fresh session would give it."""
+    batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=1, max_queue=1)
+    long = SamplingParams(seed=0, max_new_tokens=500)
+    with batcher:
+        first = batcher.open_session(Job("", params=long, stream=True))
+        first.speak("A sentence long enough to be cut off while it is spoken.")
+        events = first.events()
+        assert [next(events)[0] for _ in range(2)] == ["admitted", "audio"]
+        waiting = batcher.open_session(Job("Never spoken.", params=SamplingParams(seed=2, max_new_tokens=8),
+                                           stream=True))  # one slot: it waits
+        waiting.speak("Nor this.")
+        waiting.clear()
+        assert next(waiting.events()) == ("cleared", None)  # at once: nothing of it was out
+        first.clear()
+        kinds = []
+        for kind, _ in events:
+            kinds.append(kind)
+            if kind == "cleared":
+                break
+        assert set(kinds) <= {"audio", "cleared"}
+        first.speak("Short one.")
+        first.close()
+        rest = list(events)
+        waiting.speak("Spoken after all.")
+        waiting.close()
+        after = list(waiting.events())
+    assert [k for k, _ in rest if k != "audio"] == ["spoken", "done"] and rest[-2] == ("spoken", 1)
+    assert [k for k, _ in after if k != "audio"] == ["admitted", "spoken", "done"] and after[-2] == ("spoken", 2)
+    alone = run_alone(solo, Job("Spoken after all.", params=SamplingParams(seed=2, max_new_tokens=8)))
+    assert torch.equal(after[-1][1].codes, alone.codes)
+
+
 def test_a_cancelled_session_frees_its_slot_at_once(tiny_checkpoint):
     batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=1, max_queue=1)
     with batcher:

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 
 import aiohttp
 import pytest
@@ -109,6 +110,144 @@ def test_flush_speaks_what_is_buffered(server):
     assert [d["text"] for d in docs(got, "queued")] == ["no sentence end yet", "and more"]
     assert [d["spoken"] for d in docs(got, "spoken")] == [0, 1]
     assert docs(got, "done")
+
+
+def active_rows(server) -> int:
+    status, _, body = request(server.url + "/ping")
+    assert status == 200
+    return sum(core["active"] for core in json.loads(body)["load"])
+
+
+def rows_freed(server, deadline_s: float = 10.0) -> bool:
+    """Whether the server's rows are all free again before the deadline (polled through /ping)."""
+    end = time.monotonic() + deadline_s
+    while active_rows(server):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_closing_the_input_speaks_what_was_sent_then_ends(server):
+    """A client that closes its side after its text (as AWS's samples end a stream) still gets
+    that text's audio, then "done" and the server's close; the row is freed."""
+    async def go():
+        got = []
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(ws_url(server)) as ws:
+                await ws.send_str(json.dumps(SETTINGS))
+                await ws.send_str("Spoken after the input closes. And this part has no end")
+                # Close our side and read on (aiohttp's own close() would discard what follows).
+                await ws._writer.close(1000, b"")
+                async for msg in ws:
+                    got.append(("json", json.loads(msg.data)) if msg.type == aiohttp.WSMsgType.TEXT
+                               else ("binary", len(msg.data)))
+        return got
+
+    got = asyncio.run(go())
+    assert [d["text"] for d in docs(got, "queued")] == ["Spoken after the input closes.", "And this part has no end"]
+    assert [d["spoken"] for d in docs(got, "spoken")] == [0, 1] and docs(got, "done")
+    assert any(kind == "binary" for kind, _ in got)
+    assert rows_freed(server)
+
+
+def test_a_session_that_leaves_or_closes_while_idle_frees_its_row(server):
+    """Set up, then gone before any text: a polite close and a dropped connection both free the
+    batch row (the engine wakes for it; /ping's load says so)."""
+    async def go(polite: bool):
+        async with aiohttp.ClientSession() as http:
+            ws = await http.ws_connect(ws_url(server))
+            await ws.send_str(json.dumps(SETTINGS))
+            assert "ready" in json.loads((await ws.receive()).data)
+            assert active_rows(server) == 1
+            if polite:
+                await ws.close()
+            else:
+                ws._response.connection.transport.abort()
+
+    for polite in (True, False):
+        asyncio.run(go(polite))
+        assert rows_freed(server), polite
+
+
+def test_clear_cuts_what_is_spoken_and_the_session_goes_on_with_its_voice(one_slot):
+    """Barge-in that keeps the session: the long answer stops, its unsent audio is dropped, the
+    server says what was cut, and the next sentence is spoken in the same session (no new
+    set-up) before "done"."""
+    async def go():
+        got = []
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(ws_url(one_slot)) as ws:
+                await ws.send_str(json.dumps({**SETTINGS, "max_new_tokens": 512}))
+                for piece in split_pieces(LONG, 40):
+                    await ws.send_str(piece)
+                while (msg := await ws.receive()).type != aiohttp.WSMsgType.BINARY:
+                    got.append(("json", json.loads(msg.data)))
+                await ws.send_str(json.dumps({"clear": True}))
+                await ws.send_str("After the interruption.")
+                await ws.send_str(json.dumps({"end": True}))
+                async for msg in ws:
+                    got.append(("json", json.loads(msg.data)) if msg.type == aiohttp.WSMsgType.TEXT
+                               else ("binary", len(msg.data)))
+        return got
+
+    got = asyncio.run(go())
+    (cleared,) = docs(got, "cleared")
+    at = got.index(("json", cleared))
+    queued = docs(got, "queued")
+    last = queued[-1]
+    assert last["text"] == "After the interruption." and last["queued"] == len(queued) - 1
+    spoken_before = [d["spoken"] for d in docs(got[:at], "spoken")]
+    cut = list(range(len(spoken_before), last["queued"]))  # the rest of the long answer
+    assert spoken_before == list(range(len(spoken_before))) and cut
+    assert cleared["cleared"]["sentences"] == cut
+    assert cleared["cleared"]["characters"] == sum(len(queued[i]["text"]) for i in cut)
+    assert cleared["cleared"]["audio_seconds"] >= 0
+    assert [d["spoken"] for d in docs(got[at:], "spoken")] == [last["queued"]] and docs(got, "done")
+    assert any(kind == "binary" for kind, _ in got[at:])  # the new sentence's audio, after the cut
+    assert rows_freed(one_slot)
+
+
+@pytest.fixture(scope="module")
+def timed(package_dir, tmp_path_factory):
+    s = start(package_dir, tmp_path_factory.mktemp("bidi-timed"), FISH_SM_MAX_BATCH="2",
+              FISH_SM_SESSION_IDLE_S="1", FISH_SM_SESSION_MAX_S="4")
+    yield s
+    s.stop()
+
+
+def test_idle_and_overlong_sessions_are_closed_with_a_reason(timed):
+    """No message for FISH_SM_SESSION_IDLE_S with nothing to speak: closed as idle (pings do
+    not count). Messages that keep coming do not keep a session past FISH_SM_SESSION_MAX_S."""
+    async def idle():
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(ws_url(timed), heartbeat=0.2) as ws:  # pings, which do not count
+                await ws.send_str(json.dumps(SETTINGS))
+                return [json.loads(m.data) for m in [await ws.receive() for _ in range(2)]
+                        if m.type == aiohttp.WSMsgType.TEXT]
+
+    async def chatty():
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(ws_url(timed)) as ws:
+                await ws.send_str(json.dumps(SETTINGS))
+                got = []
+                for _ in range(100):  # a word every 0.1 s, never a sentence's end, until the server closes
+                    try:
+                        msg = await ws.receive(timeout=0.1)
+                    except asyncio.TimeoutError:
+                        await ws.send_str("word ")
+                        continue
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        return got
+                    got.append(json.loads(msg.data))
+                return got
+
+    ready, closing = asyncio.run(idle())
+    assert "ready" in ready and closing["status"] == 408 and closing["reason"] == "idle"
+    assert "idle for 1 s" in closing["error"]
+    got = asyncio.run(chatty())
+    assert got[-1]["status"] == 408 and got[-1]["reason"] == "max_length" and "4 s limit" in got[-1]["error"]
+    assert rows_freed(timed)
 
 
 @pytest.mark.parametrize("first, message", [

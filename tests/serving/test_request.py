@@ -115,7 +115,9 @@ def test_settings_from_env_are_validated():
                          ({"FISH_SM_QUANTISE": "int8"}, "unknown setting FISH_SM_QUANTISE"),
                          ({"FISH_SM_COMPILE": "maybe"}, "FISH_SM_COMPILE='maybe'"),
                          ({"FISH_SM_CODEC_PRECISION": "float16"}, "FISH_SM_CODEC_PRECISION='float16': choose one of auto, float32"),
-                         ({"FISH_SM_MAX_TEXT_CHARS": "0"}, "FISH_SM_MAX_TEXT_CHARS must be at least 1")]:
+                         ({"FISH_SM_MAX_TEXT_CHARS": "0"}, "FISH_SM_MAX_TEXT_CHARS must be at least 1"),
+                         ({"FISH_SM_SESSION_IDLE_S": "0"}, "FISH_SM_SESSION_IDLE_S must be in (0, 3600] seconds"),
+                         ({"FISH_SM_SESSION_MAX_S": "100000"}, "FISH_SM_SESSION_MAX_S in (0, 86400]")]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             Settings.from_env(env)
 

@@ -17,15 +17,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from fish_sm.engine.codec_stream import StreamingCodec
-from fish_sm.engine.engine import Engine, Synthesis
+from fish_sm.engine.synthesis import Synthesis
 from fish_sm.engine.generate import to_device
 from fish_sm.engine.batching.request import EngineStopped, Ticket
+
+if TYPE_CHECKING:  # (the engine builds batching engines over itself: no import at run time)
+    from fish_sm.engine.engine import Engine
 
 logger = logging.getLogger("fish_sm.batching")
 
@@ -153,6 +156,11 @@ class CodecWorker:
     def cancel(self, lane: int) -> None:
         self._queue.put(("cancel", lane, None))
 
+    def clear(self, lane: int) -> None:
+        """A session's barge-in: the frames not yet decoded are dropped, the next sentence starts
+        a codec stream afresh, and ("cleared", None) follows the audio already out."""
+        self._queue.put(("clear", lane, None))
+
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.failure is None
 
@@ -224,6 +232,11 @@ class CodecWorker:
             return
         if kind == "cancel" or entry.ticket.cancelled:
             self._drop(lane)
+        elif kind == "clear":
+            s.consumed[lane] = s.received[lane]
+            s.pieces[lane], s.ready_since[lane], s.sentence_left[lane] = 0, 0.0, -1
+            entry.sentences.clear()
+            entry.ticket.emit("cleared", None)
         elif kind == "sentence":
             pending = int(s.received[lane] - s.consumed[lane])
             entry.sentences.append([pending - sum(n for n, _ in entry.sentences), payload])

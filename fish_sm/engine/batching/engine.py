@@ -16,17 +16,19 @@ import math
 import sys
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from fish_sm.contract import check_text
-from fish_sm.engine.engine import Engine
 from fish_sm.errors import AdapterError, FishSMError, InputError
 from fish_sm.engine.batching.codec_worker import CodecWorker
 from fish_sm.engine.batching.request import EngineStopped, Event, Job, Session, Ticket
 from fish_sm.engine.batching.runner import ModelRunner
 from fish_sm.engine.batching.scheduler import Request, Schedule, Scheduler, StepRows
+
+if TYPE_CHECKING:  # (the engine builds batching engines over itself: no import at run time)
+    from fish_sm.engine.engine import Engine
 
 logger = logging.getLogger("fish_sm.batching")
 
@@ -176,7 +178,7 @@ class BatchEngine:
         if not job.stream:
             raise InputError("a session streams its audio: its job needs stream=True")
         self._check_adapter(job)
-        session = Session(job, sink, self._speak, self._close)
+        session = Session(job, sink, self._speak, self._close, self._clear)
         session.on_cancel = self._cancelled
         if job.text.strip():
             session.texts.append(job.text.strip())
@@ -211,6 +213,18 @@ class BatchEngine:
         with self._lock:
             session.closed = True
             self.scheduler.session_closed(session)
+            self._lock.notify_all()
+
+    def _clear(self, session: Session) -> None:
+        """Barge-in that keeps the session (any thread): an active session is cut at the next
+        iteration (which this wakes), and its codec stream says "cleared" once the audio before
+        it is out; a waiting one will start after what was cut."""
+        with self._lock:
+            if session.cancelled:
+                return
+            session.skip_to = len(session.texts)
+            if not self.scheduler.clear(session):
+                session.emit("cleared", None)
             self._lock.notify_all()
 
     def _cancelled(self, ticket: Ticket) -> None:
@@ -307,6 +321,9 @@ class BatchEngine:
                 raise EngineStopped("the codec worker has stopped")
             for request in self.scheduler.take_cancelled():
                 self._retire(request)
+            for request in self.scheduler.take_cleared():
+                self.scheduler.cut(request)
+                self._codec.clear(request.lane)
             at = time.perf_counter()
             schedule = self.scheduler.schedule()
             self.stats.lap("schedule", at)

@@ -11,7 +11,8 @@ from typing import Callable
 import numpy as np
 
 from fish_sm.contract import SamplingParams
-from fish_sm.engine.engine import DEFAULT_CHUNK_LENGTH, Reference, Synthesis
+from fish_sm.contract import DEFAULT_CHUNK_LENGTH
+from fish_sm.engine.synthesis import Reference, Synthesis
 from fish_sm.errors import FishSMError
 
 
@@ -105,11 +106,12 @@ class Session(Ticket):
     spoken, `cancel` at once (barge-in). Made by `BatchEngine.open_session`."""
 
     def __init__(self, job: Job, sink: Callable[[Event], None] | None, speak: Callable[["Session", str], None],
-                 close: Callable[["Session"], None]):
+                 close: Callable[["Session"], None], clear: Callable[["Session"], None] | None = None):
         super().__init__(job, sink)
         self.texts: list[str] = []  # the sentences so far (the engine's chunks of this request)
         self.closed = False
-        self._speak, self._close = speak, close
+        self.skip_to = 0  # sentences before this one were cut by a `clear` (none is spoken)
+        self._speak, self._close, self._clear = speak, close, clear
 
     def speak(self, text: str) -> None:
         """Queue one more sentence (raises `InputError` for text the engine cannot take)."""
@@ -118,3 +120,9 @@ class Session(Ticket):
     def close(self) -> None:
         """No more text: the session ends once everything queued is spoken."""
         self._close(self)
+
+    def clear(self) -> None:
+        """Barge-in that keeps the session: the sentence being spoken stops at the next step,
+        those queued are dropped, audio not yet out is discarded; ("cleared", None) follows
+        every event of what was cut, and the session takes new text as before."""
+        self._clear(self)

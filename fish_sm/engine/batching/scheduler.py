@@ -147,6 +147,7 @@ class Scheduler:
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._free = list(range(slots))  # a heap: the lowest free slot is taken first
         self._cancelled: list[Request] = []  # active requests cancelled since the last schedule
+        self._cleared: list[Request] = []  # active sessions cleared (barge-in) since the last schedule
         self._closed: set[int] = set()  # slots of sessions closed while active, to end once all is spoken
 
     # -- the queue ----------------------------------------------------------------------
@@ -201,6 +202,28 @@ class Scheduler:
         if request is not None and not request.retired:
             self.table.cancelled[request.slot] = True
             self._cancelled.append(request)
+
+    def clear(self, session: Session) -> bool:
+        """A session was cleared (barge-in): True when it is active, to be cut at the next
+        schedule (`take_cleared`, `cut`); a waiting one starts after what was cut (`skip_to`)."""
+        request = getattr(session, "request", None)
+        if request is None or request.retired:
+            return False
+        self._cleared.append(request)
+        return True
+
+    def take_cleared(self) -> list[Request]:
+        cleared, self._cleared = [r for r in self._cleared if not r.retired], []
+        return cleared
+
+    def cut(self, request: Request) -> None:
+        """Cut a cleared session's sentences (the engine's thread): the one being spoken ends now
+        (frames queued for it are dropped), those queued are skipped, and the next sentence
+        starts without the cut one as its context."""
+        t, slot = self.table, request.slot
+        t.finished_chunk[slot] = True
+        request.chunk = t.chunk[slot] = request.ticket.skip_to - 1
+        request.previous = []
 
     def sentence_added(self, session: Session) -> None:
         """A session's text list grew: an active session has one more chunk to speak."""
@@ -261,6 +284,7 @@ class Scheduler:
             self.table.admit(request.slot, stream=ticket.job.stream, session=session, chunks=len(chunks), seed=seed,
                              adapter=adapter_slot, now=self.clock(),
                              sampling=(params.temperature, params.top_p, params.repetition_penalty))
+            request.chunk = self.table.chunk[request.slot] = getattr(ticket, "skip_to", 0) - 1  # (after a clear)
             self.requests[request.slot] = request
             ticket.request = request
             if session and ticket.closed:
