@@ -37,11 +37,16 @@ def parse_env(pairs) -> dict[str, str]:
 
 def check_settings(env: dict[str, str]) -> Settings:
     """The server's settings from the --env pairs, checked as `fish-sm serve` checks them at start
-    (an unknown FISH_SM_ name, a bad value), so a typo fails here rather than on the instance."""
+    (an unknown FISH_SM_ name, a bad value), so a typo fails here rather than on the instance.
+    A benchmark-only setting never reaches an endpoint."""
     try:
-        return Settings.from_env({k: v for k, v in env.items() if k.startswith(SETTINGS_PREFIX)})
+        settings = Settings.from_env({k: v for k, v in env.items() if k.startswith(SETTINGS_PREFIX)})
     except ConfigError as exc:
         raise InputError(f"--env: {exc}") from None
+    if settings.benchmark_lengths:
+        raise InputError("--env: FISH_SM_BENCHMARK_LENGTHS is for benchmarks only (every request would run to its "
+                         "max_new_tokens, never ending at its text's end): an endpoint never sets it")
+    return settings
 
 
 def container_environment(user_env: dict[str, str], *, stock_container: bool, gpus: int) -> dict[str, str]:

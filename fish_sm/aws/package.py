@@ -20,15 +20,9 @@ MANIFEST_RANGE = 64 * 1024  # bytes of model.tar.gz read first: a compressed man
 MANIFEST_LIMIT = 4 * 1024 * 1024  # bytes read (and manifest bytes) beyond which it is not a fish-sm manifest
 
 
-def read_tarball_manifest(aws: AWS, uri: S3Uri) -> bytes | None:
-    """The manifest.json at the start of an S3 model.tar.gz, read with ranged GETs and decompressed
-    as it comes; None when the object is not a tarball whose first entry is manifest.json."""
-    return _read_manifest(aws, uri)[0]
-
-
 def package_manifest(aws: AWS, uri: S3Uri) -> bytes:
     """manifest.json of a package made by `fish-sm package`, or an InputError saying why `uri` is not one."""
-    manifest, why = _read_manifest(aws, uri)
+    manifest, why = read_tarball_manifest(aws, uri)
     if manifest is None:
         raise InputError(f"--model-data {uri} {why}; make it with `fish-sm package`")
     try:
@@ -41,8 +35,10 @@ def package_manifest(aws: AWS, uri: S3Uri) -> bytes:
     return manifest
 
 
-def _read_manifest(aws: AWS, uri: S3Uri) -> tuple[bytes | None, str]:
-    """(manifest.json's bytes, '') or (None, why not)."""
+def read_tarball_manifest(aws: AWS, uri: S3Uri) -> tuple[bytes | None, str]:
+    """The manifest.json at the start of an S3 model.tar.gz, read with ranged GETs and decompressed
+    as it comes: (its bytes, ''), or (None, why not) when the object is not a tarball whose first
+    entry is manifest.json."""
     inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing
     tar = bytearray()
     offset, length = 0, MANIFEST_RANGE

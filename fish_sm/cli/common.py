@@ -240,7 +240,25 @@ def load_config(group: click.Group, ctx: click.Context) -> dict:
     return default_map
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+ENGINE_MODULES = frozenset({"torch", "torchao", "triton"})
+
+
+class Commands(click.Group):
+    """The command group: a command that needs the engine, run where it is not installed,
+    says in one line what to install (the base package is the control plane, without torch)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] not in ENGINE_MODULES:
+                raise
+            command = ctx.invoked_subcommand or "this command"
+            raise click.ClickException(f"`fish-sm {command}` needs the engine ({exc.name} is not installed): "
+                                       "pip install 'fish-sm[engine]'") from None
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fish-sm")
 @click.pass_context
 def main(ctx):

@@ -8,12 +8,15 @@ front end resamples with `engine.audio` and never loads torch.
 from fish_sm.contract import SamplingParams
 
 __all__ = ["Engine", "Reference", "Synthesis", "SamplingParams"]
-_FROM_ENGINE = frozenset({"Engine", "Reference", "Synthesis"})
 
 
 def __getattr__(name: str):
-    if name in _FROM_ENGINE:
-        from fish_sm.engine import engine
+    if name == "Engine":
+        from fish_sm.engine.engine import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name in ("Reference", "Synthesis"):
+        from fish_sm.engine import synthesis
+
+        return getattr(synthesis, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,6 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -28,6 +27,7 @@ from fish_sm.contract import DEFAULT_CHUNK_LENGTH, SamplingParams, check_text
 from fish_sm.engine.adapters import AdapterCache, AdapterSource
 from fish_sm.engine.audio import AudioInput, load_reference_audio
 from fish_sm.engine.generate import HostCopy, to_device
+from fish_sm.engine.synthesis import Reference, Synthesis
 from fish_sm.errors import FishSMError, InputError
 from fish_sm.model.checkpoint import find_model_file
 from fish_sm.model.codec import Codec, load_codec
@@ -38,25 +38,6 @@ from fish_sm.model.tokenizer import Tokenizer
 logger = logging.getLogger("fish_sm.engine")
 
 SILENCE_PEAK = 1e-4
-
-
-@dataclass(frozen=True)
-class Reference:
-    """A voice to imitate: its transcript and its codes [num_codebooks, frames] (on the CPU)."""
-
-    text: str
-    codes: Tensor
-
-
-@dataclass
-class Synthesis:
-    audio: np.ndarray  # float32, mono
-    sample_rate: int
-    frames: int
-    seconds: float
-    rtf: float  # wall time / audio duration: below 1 is faster than real time
-    timings: dict[str, float] = field(default_factory=dict)
-    codes: Tensor | None = None  # [num_codebooks, frames]
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -254,16 +235,6 @@ def freeze_start_up_objects() -> None:
     while serving does not walk them all with every thread stopped."""
     gc.collect()
     gc.freeze()
-
-
-def request_generator(device: torch.device, seed: int | None) -> torch.Generator:
-    """The random stream of one request: seeded, or from the OS when no seed is given."""
-    generator = torch.Generator(device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
 
 
 def as_references(reference) -> list[Reference]:

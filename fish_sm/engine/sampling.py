@@ -115,3 +115,13 @@ def head_penalty_indices(window_first_frame: Tensor, semantic_begin_id: int, num
     semantic = (t >= semantic_begin_id) & (t < semantic_begin_id + num_semantic)
     rows = torch.where(semantic, t - semantic_begin_id, rows)
     return torch.where(t == im_end_id, num_semantic, rows)
+
+
+def request_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """The random stream of one request: seeded, or from the OS when no seed is given."""
+    generator = torch.Generator(device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

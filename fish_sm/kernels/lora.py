@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from fish_sm.model.dual_ar import DualARTransformer
-from fish_sm.model.lora import Adapter, AdapterError, is_embedding, targets
+from fish_sm.errors import AdapterError
+from fish_sm.model.lora import Adapter, is_embedding, targets
 
 # Most rows one call may run (decode steps and admissions are far fewer).
 MAX_ROWS = 4096

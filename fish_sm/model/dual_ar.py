@@ -76,11 +76,6 @@ def cache_rows(caches: list[KVCache], row: int, length: int) -> list[Tensor]:
     return [t.select(0, row).narrow(1, 0, length) for cache in caches for t in (cache.k, cache.v)]
 
 
-def copy_cache_rows(caches: list[KVCache], dst: int, src: int, length: int) -> None:
-    """Row `src`'s first `length` slots into row `dst` of every cache."""
-    torch._foreach_copy_(cache_rows(caches, dst, length), cache_rows(caches, src, length))
-
-
 class Attention(nn.Module):
     def __init__(self, dim, n_head, n_local_heads, head_dim, qkv_bias, o_bias, qk_norm, eps):
         super().__init__()

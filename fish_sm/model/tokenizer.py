@@ -107,9 +107,6 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
 
-    def token_id(self, token: str) -> int:
-        return self.special_ids[token]
-
 
 def read_ranks(path: Path) -> dict[bytes, int]:
     """`base64(token) rank` a line; a line whose token is `=` stands for the empty token and is skipped."""

@@ -117,6 +117,8 @@ def test_settings_in_env_are_checked_as_the_server_checks_them(moto_url):
         "Error: --env: FISH_SM_MAX_BATCH='abc' is not a valid int"
     assert refused(moto_url, "sha", "--env", "FISH_SM_MANIFEST_SHA256=xyz") == \
         "Error: --env: FISH_SM_MANIFEST_SHA256 must be 64 lowercase hex digits"
+    assert refused(moto_url, "bench", "--env", "FISH_SM_BENCHMARK_LENGTHS=true").startswith(
+        "Error: --env: FISH_SM_BENCHMARK_LENGTHS is for benchmarks only")
 
 
 def test_model_data_must_be_a_fish_sm_package(moto_url):

@@ -123,14 +123,15 @@ def test_checkpoint_directory_has_the_five_files(tiny_checkpoint, tmp_path):
         Engine.from_pretrained(tmp_path / "c")
 
 
-def test_copy_cache_rows_moves_one_row_prefix_in_every_cache():
-    from fish_sm.model.dual_ar import KVCache, copy_cache_rows
+def test_cache_rows_copy_one_row_prefix_in_every_cache():
+    """`cache_rows` views, as a kept prefix is copied into a slot: one `_foreach_copy_`."""
+    from fish_sm.model.dual_ar import KVCache, cache_rows
 
     caches = [KVCache(3, 8, 2, 4, torch.float32) for _ in range(3)]
     for cache in caches:
         cache.k.normal_(), cache.v.normal_()
     before = [(c.k.clone(), c.v.clone()) for c in caches]
-    copy_cache_rows(caches, dst=0, src=2, length=5)
+    torch._foreach_copy_(cache_rows(caches, 0, 5), cache_rows(caches, 2, 5))
     for cache, (k, v) in zip(caches, before):
         for now, was in ((cache.k, k), (cache.v, v)):
             assert torch.equal(now[0, :, :5], was[2, :, :5])  # the copied prefix

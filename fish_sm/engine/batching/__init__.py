@@ -26,12 +26,12 @@ longest one's bucketed length. A waiting queue of bounded length holds the rest;
   engine.py        BatchEngine: the public face, the engine thread's schedule -> execute -> update
 """
 
-from fish_sm.engine.batching.codec_worker import HOLD_S, SPARE_S, CodecWorker
+from fish_sm.engine.batching.codec_worker import CodecWorker
 from fish_sm.engine.batching.engine import BatchEngine
 from fish_sm.engine.batching.prefix_cache import PrefixCache
 from fish_sm.engine.batching.request import EngineStopped, Event, Job, Overloaded, Session, Ticket
 from fish_sm.engine.batching.runner import PREFILL_TOKENS
 from fish_sm.engine.generate import batch_sizes
 
-__all__ = ["BatchEngine", "CodecWorker", "EngineStopped", "Event", "HOLD_S", "Job", "Overloaded", "PREFILL_TOKENS",
-           "PrefixCache", "SPARE_S", "Session", "Ticket", "batch_sizes"]
+__all__ = ["BatchEngine", "CodecWorker", "EngineStopped", "Event", "Job", "Overloaded", "PREFILL_TOKENS",
+           "PrefixCache", "Session", "Ticket", "batch_sizes"]

@@ -20,25 +20,27 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from fish_sm import kernels
-from fish_sm.engine.engine import Engine, request_generator
 from fish_sm.engine.generate import (STEP_FLOATS, STEP_INTS, GraphedStep, HostCopy, HostStaging, SlotState,
                                      admission_shape, admission_shapes, attention_bucket, batch_sizes, decode_slots,
                                      frame_budget, length_buckets, noise_size, sample_frame, step_layout, to_device)
 from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
-from fish_sm.engine.sampling import PENALTY_WINDOW
+from fish_sm.engine.sampling import PENALTY_WINDOW, request_generator
 from fish_sm.kernels import exponential_noise
 from fish_sm.errors import FishSMError
 from fish_sm.model.dual_ar import cache_rows
 from fish_sm.engine.batching.prefix_cache import PrefixCache
 from fish_sm.engine.batching.scheduler import Request, StepRows
 from fish_sm.engine.batching.slots import SlotTable
+
+if TYPE_CHECKING:  # (the engine builds batching engines over itself: no import at run time)
+    from fish_sm.engine.engine import Engine
 
 logger = logging.getLogger("fish_sm.batching")
 
