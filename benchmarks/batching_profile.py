@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks` run as a file
-from benchmarks.engine import BATCH_TEXTS, batching_level, environment, load, start_up_frozen  # noqa: E402
+from benchmarks.engine import (BATCH_TEXTS, batching_level, capture_remaining, environment, load,  # noqa: E402
+                               start_up_frozen)
 
 # The calls timed, by thread: (class, method) as the engine's modules name them today. One
 # that no longer exists is reported as missing, not an error.
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0, horizon_s=0, forced_lengths=True)
         t0 = time.perf_counter()
         batcher.compile()
-        batcher.capture_remaining()
+        capture_remaining(batcher)
         records = out["modes"][mode] = {"slots": batcher.slots, "compile_s": time.perf_counter() - t0, "levels": []}
         print(mode, json.dumps({k: v for k, v in records.items() if k != "levels"}), flush=True)
         for n in streams:

@@ -119,12 +119,6 @@ class BatchEngine:
                     self._codec.codec.graphs, seconds + time.perf_counter() - t0, self.runner.ready_sizes[-1],
                     len(self.runner._to_capture), *(b / 2**30 for b in torch.cuda.mem_get_info(self.device)))
 
-    def capture_remaining(self) -> None:
-        """Capture now, before `start`, the graphs otherwise captured between steps (benchmarks
-        that time every batch size from the first step)."""
-        while self.runner.capturing:
-            self.runner.capture_next()
-
     def start(self) -> "BatchEngine":
         # The decode loop and the codec thread hand the GIL to each other many times a
         # frame; Python's default 5 ms switch interval would stall the loop behind the codec.
