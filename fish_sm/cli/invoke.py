@@ -190,8 +190,7 @@ def _bidi(name, url, source, out_path, fmt, piece_chars, piece_interval, timeout
     def channel():
         if url:
             return bidi.WebSocketChannel(url, timeout_s=timeout)
-        aws = make_aws(region, profile, endpoint_url)
-        return bidi.EndpointChannel(name, aws.region)
+        return bidi.EndpointChannel(name, make_aws(region, profile, endpoint_url))
 
     writer = None
 

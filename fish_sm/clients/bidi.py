@@ -5,14 +5,17 @@ each sentence timed from the moment the piece that ended it went out to its firs
 Two transports carry the same messages: a WebSocket straight to a server (`--url`, aiohttp),
 and SageMaker's `InvokeEndpointWithBidirectionalStream` for an endpoint, through AWS's
 `aws-sdk-sagemaker-runtime-http2` client (HTTP/2 event streams, which botocore does not
-speak; that client needs Python 3.12 or newer). Each request part is one whole message: UTF8
-data type for text, the last part ({"end": true}) marked COMPLETE. No torch here.
+speak; that client needs Python 3.12 or newer). Each request part is one whole message, UTF8,
+COMPLETE; response parts are joined by their completion state; the session's start is retried on
+throttling and transient faults; credentials come from the same session as every AWS command.
+No torch here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import struct
 import sys
 import time
@@ -168,33 +171,114 @@ def endpoint_sdk():
 
 def endpoint_parts(messages: Iterable[str]) -> list[dict]:
     """The request parts a session's messages become on the endpoint: one whole message each, as
-    UTF8; the last ({"end": true}) COMPLETE."""
-    out = [{"Bytes": m.encode("utf-8"), "DataType": "UTF8", "CompletionState": "PARTIAL"} for m in messages]
-    if out:
-        out[-1]["CompletionState"] = "COMPLETE"
-    return out
+    UTF8, each COMPLETE (the service joins PARTIAL parts with what follows into one message)."""
+    return [{"Bytes": m.encode("utf-8"), "DataType": "UTF8", "CompletionState": "COMPLETE"} for m in messages]
+
+
+class PartAssembler:
+    """Response parts into whole messages: PARTIAL parts are held until the part that completes
+    them (COMPLETE, or no completion state), as the service may split a message."""
+
+    def __init__(self):
+        self._parts: list[bytes] = []
+        self._type: str | None = None
+
+    def add(self, data_type: str | None, data: bytes, completion: str | None) -> tuple[str, object] | None:
+        """One part; the whole message it completes as ("text", str) or ("binary", bytes), else None."""
+        if self._parts and data_type != self._type:
+            raise BidiError(f"the endpoint split a message across {self._type} and {data_type} parts")
+        self._type = data_type
+        self._parts.append(data or b"")
+        if completion == "PARTIAL":
+            return None
+        whole, self._parts = b"".join(self._parts), []
+        if data_type == "UTF8":
+            return "text", whole.decode("utf-8")
+        return "binary", whole
+
+
+# Errors at a session's start worth another try (after a backoff): the service's throttling and
+# its transient faults; anything else (a bad endpoint name, the model's own error) is final.
+RETRYABLE = frozenset({"ThrottlingException", "ServiceUnavailable", "ServiceUnavailableException",
+                       "InternalFailure", "InternalServerError", "InternalDependencyException",
+                       "ModelNotReadyException"})
+START_ATTEMPTS = 4
+
+
+def error_line(error) -> str:
+    """A service error (an exception or an error event) as one line: its kind, code and message."""
+    kind = type(error).__name__
+    code = getattr(error, "error_code", None) or getattr(error, "code", None)
+    message = getattr(error, "message", None) or str(error) or kind
+    text = " ".join(str(message).split())
+    return f"{kind}{f' ({code})' if code else ''}: {text}"
+
+
+def retryable(error: BaseException) -> bool:
+    status = getattr(error, "status", None) or getattr(error, "status_code", None)
+    return type(error).__name__ in RETRYABLE or (isinstance(status, int) and (status == 429 or status >= 500))
+
+
+async def with_retries(start: Callable, attempts: int = START_ATTEMPTS, base_s: float = 0.25,
+                       sleep: Callable = asyncio.sleep):
+    """`await start()`, tried again after 0.25, 0.5, 1 s (with jitter) on a retryable error;
+    a final error as a one-line BidiError."""
+    for attempt in range(attempts):
+        try:
+            return await start()
+        except Exception as exc:  # the SDK's own exception classes: classified by name and status
+            if attempt + 1 == attempts or not retryable(exc):
+                more = f" (after {attempt + 1} tries)" if attempt else ""
+                raise BidiError(f"the endpoint refused the session{more}: {error_line(exc)}") from None
+            await sleep(base_s * 2**attempt * (1 + random.random() / 2))
+
+
+class SessionCredentials:
+    """The SDK's credentials from a boto3 session (so --profile, SSO, roles and the rest work as
+    in every other command), read afresh at each signing: refreshed credentials are picked up."""
+
+    def __init__(self, session, identity_type):
+        self.session, self.identity_type = session, identity_type
+
+    async def get_identity(self, *, identity_properties=None, **_):
+        credentials = self.session.get_credentials()
+        if credentials is None:
+            raise BidiError("no AWS credentials: pass --profile, or set them as for any AWS command")
+        frozen = credentials.get_frozen_credentials()
+        return self.identity_type(access_key_id=frozen.access_key, secret_access_key=frozen.secret_key,
+                                  session_token=frozen.token)
 
 
 class EndpointChannel:
-    """A session's messages over InvokeEndpointWithBidirectionalStream (AWS's HTTP/2 client)."""
+    """A session's messages over InvokeEndpointWithBidirectionalStream (AWS's HTTP/2 client), with
+    the credentials and region of `aws` (an `aws.session.AWS`: --profile, --region,
+    --endpoint-url); `sdk` (client, config, models modules) for a transport of the caller's."""
 
-    def __init__(self, endpoint: str, region: str, endpoint_url: str | None = None, target_variant: str | None = None):
-        self.client_mod, self.config_mod, self.models = endpoint_sdk()
-        self.endpoint, self.region = endpoint, region
-        self.endpoint_url = endpoint_url or RUNTIME_HTTP2_URL.format(region=region)
+    def __init__(self, endpoint: str, aws, target_variant: str | None = None, sdk=None):
+        self.client_mod, self.config_mod, self.models = sdk or endpoint_sdk()
+        self.endpoint, self.aws = endpoint, aws
+        self.region = aws.region_name
+        self.endpoint_url = aws.endpoint_url or RUNTIME_HTTP2_URL.format(region=self.region)
         self.target_variant = target_variant
+        self._assembler = PartAssembler()
+        self.retry_sleep = asyncio.sleep  # (between tries at the session's start)
+
+    def _credentials(self):
+        if hasattr(self.models, "AWSCredentialsIdentity"):  # (a caller's transport brings its own)
+            identity = self.models.AWSCredentialsIdentity
+        else:
+            from smithy_aws_core.identity import AWSCredentialsIdentity as identity
+        return SessionCredentials(self.aws.session, identity)
 
     async def __aenter__(self):
-        from smithy_aws_core.identity import EnvironmentCredentialsResolver
-
         cfg = self.config_mod.Config(endpoint_uri=self.endpoint_url, region=self.region,
-                                     aws_credentials_identity_resolver=EnvironmentCredentialsResolver())
+                                     aws_credentials_identity_resolver=self._credentials())
         self._client = self.client_mod.SageMakerRuntimeHTTP2Client(config=cfg)
         args = {"endpoint_name": self.endpoint}
         if self.target_variant:
             args["target_variant"] = self.target_variant
-        self._stream = await self._client.invoke_endpoint_with_bidirectional_stream(
-            self.models.InvokeEndpointWithBidirectionalStreamInput(**args))
+        self._stream = await with_retries(lambda: self._client.invoke_endpoint_with_bidirectional_stream(
+            self.models.InvokeEndpointWithBidirectionalStreamInput(**args)), sleep=self.retry_sleep)
         self._output = None
         return self
 
@@ -204,22 +288,23 @@ class EndpointChannel:
     async def send(self, text: str, last: bool = False) -> None:
         part = endpoint_parts([text])[0]
         payload = self.models.RequestPayloadPart(bytes_=part["Bytes"], data_type=part["DataType"],
-                                                 completion_state="COMPLETE" if last else "PARTIAL")
+                                                 completion_state=part["CompletionState"])
         await self._stream.input_stream.send(self.models.RequestStreamEventPayloadPart(value=payload))
 
     async def receive(self):
+        """The next whole message, ("text", str) or ("binary", bytes); None at the stream's end."""
         if self._output is None:
             self._output = (await self._stream.await_output())[1]
-        event = await self._output.receive()
-        if event is None:
-            return None
-        value = getattr(event, "value", None)
-        if not isinstance(value, self.models.ResponsePayloadPart):
-            raise BidiError(f"the endpoint's stream failed: {getattr(value, 'message', value)}")
-        data = value.bytes_ or b""
-        if value.data_type == "UTF8":
-            return "text", data.decode("utf-8")
-        return "binary", data
+        while True:
+            event = await self._output.receive()
+            if event is None:
+                return None
+            value = getattr(event, "value", None)
+            if not isinstance(value, self.models.ResponsePayloadPart):  # ModelStreamError, InternalStreamFailure
+                raise BidiError(f"the endpoint's stream failed: {error_line(value)}")
+            message = self._assembler.add(value.data_type, value.bytes_, getattr(value, "completion_state", None))
+            if message is not None:
+                return message
 
     async def close(self) -> None:
         try:
