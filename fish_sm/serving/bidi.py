@@ -14,7 +14,9 @@ the input is said in band (`{"end": true}`).
 
 The protocol, client to server:
 
-1. The first message is a JSON object with the fields of an `/invocations` body except "text":
+1. The first message is a JSON object with the fields of an `/invocations` body except "text"
+   (settings may also come in the URL's query, `?voice=narrator&seed=7`: SageMaker's
+   `ModelQueryString`; the first message's own win):
    "voice" or "reference", "adapter" (a LoRA adapter; a packaged voice may imply one), the
    sampling fields ("seed", "temperature", ..., "chunk_length") and "format": "pcm" (default) or
    "wav". It is checked by the same code as `/invocations` (`contract.parse_request`,
@@ -206,6 +208,7 @@ class BidiSession:
         if "text" in doc:
             raise HTTPError(400, "the first message sets up the session and has no 'text'; send the text in the "
                                  "messages after it")
+        doc = {**query_settings(self.request.query), **doc}  # the first message's own win
         fmt = doc.get("format")
         if isinstance(fmt, str) and fmt.lower() not in STREAM_FORMATS:
             raise HTTPError(400, f"format {fmt!r} cannot be streamed; a session speaks pcm or wav")
@@ -401,6 +404,29 @@ class BidiSession:
         if self.first_audio is not None:
             doc["first_audio_s"] = round(self.first_audio - self.opened, 3)
         return doc
+
+
+# Query-string settings (`ModelQueryString` on the endpoint): numbers as the JSON would hold them.
+_QUERY_INTS = frozenset({"seed", "max_new_tokens", "chunk_length", "sample_rate"})
+_QUERY_FLOATS = frozenset({"temperature", "top_p", "repetition_penalty"})
+
+
+def query_settings(query) -> dict:
+    """A session's settings from its URL's query (`voice=narrator&seed=7`), checked with the first
+    message's (an unknown name is refused there); a name given twice is refused here."""
+    doc: dict = {}
+    for name in query:
+        values = query.getall(name)
+        if len(values) > 1:
+            raise HTTPError(400, f"query setting {name!r} is given {len(values)} times")
+        value = values[0]
+        try:
+            doc[name] = int(value) if name in _QUERY_INTS else float(value) if name in _QUERY_FLOATS else value
+        except ValueError:
+            raise HTTPError(400, f"query setting {name}={value[:40]!r} is not a number") from None
+    if "text" in doc:
+        raise HTTPError(400, "the session's text comes in its messages, not in the query")
+    return doc
 
 
 def _text_of(data) -> str | None:

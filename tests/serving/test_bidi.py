@@ -265,6 +265,32 @@ def test_a_bad_first_message_ends_the_session_cleanly(server, first, message):
     assert request(server.url + "/ping")[0] == 200
 
 
+def test_settings_may_come_in_the_query_string(server):
+    """SageMaker's ModelQueryString reaches the WebSocket's URL: its settings count as the first
+    message's (which win), checked the same way."""
+    async def go(query: str, first: dict) -> list:
+        got = []
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(ws_url(server) + query) as ws:
+                await ws.send_str(json.dumps(first))
+                await ws.send_str("From the query.")
+                await ws.send_str(json.dumps({"end": True}))
+                async for msg in ws:
+                    if msg.type == aiohttp.WSMsgType.TEXT:
+                        got.append(("json", json.loads(msg.data)))
+        return got
+
+    settings = {k: v for k, v in SETTINGS.items() if k not in ("voice", "seed")}
+    got = asyncio.run(go("?voice=narrator&seed=7", settings))
+    assert docs(got, "ready") and docs(got, "done")
+    for query, message in [("?voice=nobody", "unknown voice 'nobody'"), ("?seed=seven", "'seven'"),
+                           ("?bogus=1", "unknown field(s): bogus"), ("?seed=1&seed=2", "given 2 times"),
+                           ("?text=Hi", "not in the query")]:
+        got = asyncio.run(go(query, settings))
+        assert len(got) == 1 and message in got[0][1]["error"], (query, got)
+    assert request(server.url + "/ping")[0] == 200
+
+
 def test_bad_parts_get_errors_and_the_session_lives_on(server):
     got = asyncio.run(raw_session(server, [
         SETTINGS, "{not json", {"bogus": True}, {"end": "yes"}, b"\xff\xfe", "x" * 201,
