@@ -38,6 +38,9 @@ from fish_sm.contract import AUDIO_TYPES
                    "gap between sentences.")
 @click.option("--piece-chars", type=click.IntRange(min=1), default=8, show_default=True,
               help="--bidi: characters per text piece.")
+@click.option("--clear-after", type=click.FloatRange(min=0), default=None,
+              help="--bidi: barge in (clear, keeping the session) this many seconds after the first audio, then say "
+                   "one more sentence; reports the time to the server's 'cleared' and that sentence's first audio.")
 @click.option("--piece-interval", type=click.FloatRange(min=0), default=0.02, show_default=True,
               help="--bidi: seconds between pieces (an LLM writing).")
 @click.option("--component", metavar="COMPONENT",
@@ -62,7 +65,7 @@ from fish_sm.contract import AUDIO_TYPES
 @aws_options
 @friendly_errors
 def bench(name, url, local, concurrency, n_requests, texts, voice, n_adapters, adapter_names, fmt, stream, bidi,
-          piece_chars, piece_interval, component, max_new_tokens, seed,
+          piece_chars, clear_after, piece_interval, component, max_new_tokens, seed,
           warmup,
           max_error_rate, instance_type, price, out_dir, timeout, startup_timeout, output_format, region, profile,
           endpoint_url):
@@ -83,12 +86,15 @@ def bench(name, url, local, concurrency, n_requests, texts, voice, n_adapters, a
     from fish_sm.clients.url import UrlTarget, server_info
 
     one_target(("NAME", name), ("--url", url), ("--local", local))
+    if clear_after is not None and not bidi:
+        raise click.UsageError("--clear-after is for --bidi sessions")
     if bidi:
         if name or stream or n_adapters or adapter_names:
             raise click.UsageError("--bidi benchmarks a server (--url or --local) over its WebSocket, without --stream "
                                    "or --adapters")
         return _bench_bidi(url, local, concurrency, n_requests, texts, voice, max_new_tokens, seed, piece_chars,
-                           piece_interval, max_error_rate, out_dir, timeout, startup_timeout, output_format)
+                           piece_interval, max_error_rate, out_dir, timeout, startup_timeout, output_format,
+                           clear_after)
     if component and not name:
         raise click.UsageError("--component is for an endpoint NAME of inference components")
     if stream:
@@ -190,7 +196,7 @@ def local_adapter_names(model: Path) -> list[str]:
 
 
 def _bench_bidi(url, local, concurrency, n_requests, texts, voice, max_new_tokens, seed, piece_chars, piece_interval,
-                max_error_rate, out_dir, timeout, startup_timeout, output_format):
+                max_error_rate, out_dir, timeout, startup_timeout, output_format, clear_after=None):
     """`bench --bidi`: each level runs max(concurrency, --requests) sessions, `concurrency` at a time."""
     import asyncio
     import contextlib
@@ -213,9 +219,10 @@ def _bench_bidi(url, local, concurrency, n_requests, texts, voice, max_new_token
             say(f"concurrency {level}: {max(level, n_requests)} sessions ...")
             results.append(asyncio.run(bidi.bench_level(
                 lambda: bidi.WebSocketChannel(url, timeout_s=timeout), settings, text, concurrency=level,
-                piece_chars=piece_chars, piece_interval_s=piece_interval, sessions=max(level, n_requests))))
+                piece_chars=piece_chars, piece_interval_s=piece_interval, sessions=max(level, n_requests),
+                clear_after_s=clear_after)))
     report = {"kind": "bidi", "target": url, "piece_chars": piece_chars, "piece_interval_s": piece_interval,
-              "text_chars": len(text), "levels": results}
+              "text_chars": len(text), "clear_after_s": clear_after, "levels": results}
     path = write_json(report, out_dir / "bench-bidi.json")
     if output_format == "json":
         click.echo(json.dumps(report))

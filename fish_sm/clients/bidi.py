@@ -66,6 +66,8 @@ class SessionResult:
     errors: list[str] = field(default_factory=list)
     started: float = 0.0
     ended: float = 0.0
+    cleared: dict | None = None  # the server's {"cleared": ...} after a barge-in (`clear_after_s`)
+    clear_s: float | None = None  # from sending {"clear": true} to the server's "cleared"
 
     @property
     def audio_seconds(self) -> float:
@@ -319,13 +321,17 @@ class EndpointChannel:
 async def run_session(channel, settings: dict, pieces, *, piece_interval_s: float = 0.0,
                       on_audio: Callable[[bytes, int], None] | None = None,
                       on_sentence: Callable[[Sentence], None] | None = None,
-                      cancel_after_s: float | None = None) -> SessionResult:
+                      cancel_after_s: float | None = None, clear_after_s: float | None = None,
+                      after_clear: str = "And now for something else.") -> SessionResult:
     """Open a session on `channel`, send `settings` then each piece of `pieces` (an iterable or an
     async iterator of text; `piece_interval_s` apart), then {"end": true}; collect the audio and
-    each sentence's timings. `cancel_after_s`: barge in that long after the first audio."""
+    each sentence's timings. `cancel_after_s`: barge in that long after the first audio (the
+    session ends); `clear_after_s`: barge in that keeps the session, then say `after_clear`
+    (the time to the server's "cleared" is `clear_s`)."""
     result = SessionResult(format=settings.get("format", "pcm"), started=time.perf_counter())
     sent: dict[int, float] = {}  # text piece number -> when it left
     audio_started = asyncio.Event()
+    clear_sent: list[float] = []
     await channel.send(json.dumps(settings))
 
     async def sender():
@@ -344,6 +350,19 @@ async def run_session(channel, settings: dict, pieces, *, piece_interval_s: floa
                 pass
             await asyncio.sleep(cancel_after_s)
             await channel.send(json.dumps({"cancel": True}), last=True)
+            return
+        if clear_after_s is not None:
+            try:
+                await asyncio.wait_for(audio_started.wait(), 60)
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(clear_after_s)
+            clear_sent.append(time.perf_counter())
+            await channel.send(json.dumps({"clear": True}))
+            n += 1
+            sent[n] = time.perf_counter()
+            await channel.send(after_clear)
+            await channel.send(json.dumps({"end": True}), last=True)
         else:
             await channel.send(json.dumps({"end": True}), last=True)
 
@@ -386,6 +405,11 @@ async def run_session(channel, settings: dict, pieces, *, piece_interval_s: floa
                 result.done = doc["done"]
             elif "cancelled" in doc:
                 result.cancelled = True
+            elif "cleared" in doc:
+                result.cleared = doc["cleared"]
+                result.clear_s = now - clear_sent[0] if clear_sent else None
+                if doc["cleared"]["sentences"]:  # the audio that follows is the next sentence's
+                    spoken = doc["cleared"]["sentences"][-1] + 1
             elif "error" in doc:
                 result.errors.append(doc["error"])
                 if task is None:  # refused before the session began
@@ -454,9 +478,12 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 async def bench_level(make_channel: Callable[[], object], settings: dict, text: str, *, concurrency: int,
-                      piece_chars: int, piece_interval_s: float, sessions: int | None = None) -> dict:
+                      piece_chars: int, piece_interval_s: float, sessions: int | None = None,
+                      clear_after_s: float | None = None) -> dict:
     """`sessions` sessions (default: `concurrency`), `concurrency` at a time, each sending `text`
-    in pieces: first audio after the first complete sentence and the gaps between sentences."""
+    in pieces: first audio after the first complete sentence and the gaps between sentences;
+    with `clear_after_s`, each barges in that long after its first audio (keeping the session)
+    and says one more sentence: the time to the server's "cleared", and that sentence's first audio."""
     total = sessions or concurrency
     gate = asyncio.Semaphore(concurrency)
     results: list[SessionResult] = []
@@ -467,7 +494,7 @@ async def bench_level(make_channel: Callable[[], object], settings: dict, text: 
             try:
                 async with make_channel() as channel:
                     results.append(await run_session(channel, settings, split_pieces(text, piece_chars),
-                                                     piece_interval_s=piece_interval_s))
+                                                     piece_interval_s=piece_interval_s, clear_after_s=clear_after_s))
             except (FishSMError, OSError, asyncio.TimeoutError) as exc:
                 key = " ".join(str(exc).split())[:120] or type(exc).__name__
                 errors[key] = errors.get(key, 0) + 1
@@ -478,15 +505,23 @@ async def bench_level(make_channel: Callable[[], object], settings: dict, text: 
     first = [r.sentences[0].first_audio_s * 1e3 for r in results if r.sentences and r.sentences[0].first_audio_s is not None]
     gaps = [g * 1e3 for r in results for g in r.gaps_s()]
     ms = lambda values: {f"p{q}": _pct(values, q) for q in (50, 95, 99)}  # noqa: E731
-    return {"concurrency": concurrency, "sessions": total, "ok": len(results), "errors": errors,
-            "sentences": sum(len(r.sentences) for r in results),
-            "first_sentence_audio_ms": ms(first), "sentence_gap_ms": ms(gaps),
-            "audio_seconds": sum(r.audio_seconds for r in results), "wall_s": wall}
+    out = {"concurrency": concurrency, "sessions": total, "ok": len(results), "errors": errors,
+           "sentences": sum(len(r.sentences) for r in results),
+           "first_sentence_audio_ms": ms(first), "sentence_gap_ms": ms(gaps),
+           "audio_seconds": sum(r.audio_seconds for r in results), "wall_s": wall}
+    if clear_after_s is not None:
+        out["clear_ms"] = ms([r.clear_s * 1e3 for r in results if r.clear_s is not None])
+        out["after_clear_first_audio_ms"] = ms([r.sentences[-1].first_audio_s * 1e3 for r in results
+                                                if r.cleared and r.sentences and r.sentences[-1].first_audio_s is not None])
+    return out
 
 
 def format_bench(levels: list[dict]) -> str:
     head = ["conc", "ok/n", "1st p50 ms", "1st p95 ms", "1st p99 ms", "gap p50 ms", "gap p95 ms", "gap p99 ms",
             "audio s/s"]
+    cleared = any("clear_ms" in lv for lv in levels)
+    if cleared:
+        head += ["clear p50 ms", "clear p95 ms", "after p95 ms"]
     rows = [head]
     for lv in levels:
         f, g = lv["first_sentence_audio_ms"], lv["sentence_gap_ms"]
@@ -494,5 +529,8 @@ def format_bench(levels: list[dict]) -> str:
         rows.append([str(lv["concurrency"]), f"{lv['ok']}/{lv['sessions']}", cell(f["p50"]), cell(f["p95"]),
                      cell(f["p99"]), cell(g["p50"]), cell(g["p95"]), cell(g["p99"]),
                      f"{lv['audio_seconds'] / lv['wall_s']:.2f}" if lv["wall_s"] else "-"])
+        if cleared:
+            c, a = lv.get("clear_ms", {}), lv.get("after_clear_first_audio_ms", {})
+            rows[-1] += [cell(c.get("p50")), cell(c.get("p95")), cell(a.get("p95"))]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)

@@ -419,3 +419,20 @@ def test_bench_bidi_reports_first_sentence_audio_and_gaps(server, tmp_path):
         assert 0 < lv["first_sentence_audio_ms"]["p50"] <= lv["first_sentence_audio_ms"]["p99"]
         assert lv["sentence_gap_ms"]["p50"] is not None
     assert "1st p50 ms" in result.output and "gap p50 ms" in result.output
+
+
+def test_bench_bidi_times_a_barge_in_that_keeps_the_session(server, tmp_path):
+    from click.testing import CliRunner
+
+    from fish_sm.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--url", server.url, "--bidi", "--concurrency", "2", "--requests", "2",
+                                       "--max-new-tokens", "40", "--piece-interval", "0", "--clear-after", "0",
+                                       "-o", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (level,) = json.loads((tmp_path / "bench-bidi.json").read_text())["levels"]
+    assert level["ok"] == 2 and not level["errors"]
+    assert level["clear_ms"]["p50"] > 0 and level["after_clear_first_audio_ms"]["p50"] > 0
+    assert "clear p50 ms" in result.output
+    assert CliRunner().invoke(main, ["bench", "--url", server.url, "--clear-after", "1"]).output.strip().endswith(
+        "--clear-after is for --bidi sessions")
