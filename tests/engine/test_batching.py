@@ -523,6 +523,7 @@ def test_a_session_speaks_each_sentence_as_it_arrives_with_the_codes_of_the_long
                     heard[i].append(payload)
                 if kind == "spoken":
                     assert payload == i
+                    assert batcher.load()["active"] == 0  # idle between sentences: parked, its slot free
                     break
                 assert kind in ("admitted", "audio"), (kind, payload)
         session.close()
@@ -574,6 +575,37 @@ def test_a_cleared_session_keeps_its_slot_and_speaks_only_what_follows(tiny_chec
     assert [k for k, _ in after if k != "audio"] == ["admitted", "spoken", "done"] and after[-2] == ("spoken", 2)
     alone = run_alone(solo, Job("Spoken after all.", params=SamplingParams(seed=2, max_new_tokens=8)))
     assert torch.equal(after[-1][1].codes, alone.codes)
+
+
+def test_an_idle_session_gives_its_slot_to_others_and_comes_back_for_its_next_sentence(tiny_checkpoint):
+    """Parked between sentences, a session holds no slot: with one slot, a request submitted
+    meanwhile runs to its end while the session stays open; the session's next sentence takes
+    the slot again, ahead of what waits, and it ends with all its sentences' codes."""
+    batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=1, max_queue=2)
+    with batcher:
+        session = batcher.open_session(Job("", params=SamplingParams(seed=3, max_new_tokens=6), stream=True))
+        events = session.events()
+        session.speak("The first sentence.")
+        assert [kind for kind, _ in _until(events, "spoken")][0] == "admitted"
+        other = batcher.submit(Job("Meanwhile, another request.", params=SamplingParams(seed=4, max_new_tokens=6)))
+        assert other.result().frames > 0  # the session's slot was free for it
+        session.clear()  # parked: nothing to cut, and it says so
+        assert next(events) == ("cleared", None)
+        session.speak("The second sentence.")
+        assert ("spoken", 1) in _until(events, "spoken")
+        session.close()
+        rest = list(events)
+    done = rest[-1][1]
+    assert rest[-1][0] == "done" and done.codes.shape[1] == done.frames > 0
+
+
+def _until(events, kind: str) -> list:
+    out = []
+    for event in events:
+        out.append(event)
+        if event[0] == kind:
+            return out
+    raise AssertionError(f"no {kind!r} event")
 
 
 def test_a_cancelled_session_frees_its_slot_at_once(tiny_checkpoint):

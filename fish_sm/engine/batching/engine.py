@@ -34,9 +34,10 @@ logger = logging.getLogger("fish_sm.batching")
 
 
 def codec_lanes(slots: int) -> int:
-    """Codec streams at once for `slots` slots: a stream outlives its slot while its last
-    pieces decode, so a quarter more (admissions wait for a lane beyond that)."""
-    return slots + max(4, slots // 4)
+    """Codec streams at once for `slots` slots: a stream outlives its slot while its last pieces
+    decode, and a session parked between sentences keeps its stream without a slot, so twice as
+    many (a lane is ~4% of a slot's memory; admissions wait for a lane beyond that)."""
+    return 2 * slots + 4
 
 
 class BatchEngine:
@@ -343,6 +344,7 @@ class BatchEngine:
         at = time.perf_counter()
         for request in schedule.admitted:
             self._admit(request)
+            self._park_if_idle(request)  # a session opened with no text yet waits for it without a slot
         at = self.stats.lap("admit", at)
         first = self._start_chunks(schedule.starting)
         at = self.stats.lap("prefill", at)
@@ -368,12 +370,31 @@ class BatchEngine:
                     self._codec.end_sentence(ended.request.lane, ended.request.chunk)
                 if ended.complete:
                     self._complete(ended.request)
+                elif ended.sentence_end:
+                    self._park_if_idle(ended.request)
         with self._lock:
             ended_sessions = self.scheduler.ended_sessions()
+            parked_ended = self.scheduler.take_parked_ended()
         for request in ended_sessions:
             self._complete(request)
+        for request in parked_ended:  # a parked session closed with nothing left, or cancelled
+            if request.ticket.cancelled:
+                self._codec.cancel(request.lane)
+            else:
+                self._complete(request)
+            self.scheduler.let_go(request)
+
+    def _park_if_idle(self, request: Request) -> None:
+        """A session whose sentence ended with no next one queued gives its slot back until one
+        comes (its codec stream, context and random stream stay): an idle session holds no row."""
+        with self._lock:
+            if (isinstance(request.ticket, Session) and not request.retired and request.chunk + 1 >= len(request.chunks)
+                    and not request.ticket.closed and not request.ticket.cancelled):
+                self.scheduler.park(request)
 
     def _admit(self, request: Request) -> None:
+        if request.lane >= 0:  # a parked session back for its next sentence: its stream is open
+            return
         request.ticket.timings["queue"] = time.perf_counter() - request.ticket.submitted
         request.ticket.emit("admitted", None)
         request.lane = self.scheduler.table.lane[request.slot] = self._codec.lanes.take()
@@ -402,7 +423,8 @@ class BatchEngine:
         ticket = request.ticket
         ticket.timings["generate"] = time.perf_counter() - ticket.submitted - ticket.timings.get("queue", 0.0)
         self._codec.finish(request.lane, request.spoken)
-        self._retire(request, to_codec=False)
+        if not request.parked:
+            self._retire(request, to_codec=False)
 
     def _fail(self, request: Request, exc: Exception) -> None:
         request.ticket.emit("error", exc)

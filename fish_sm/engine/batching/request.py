@@ -102,8 +102,9 @@ class Session(Ticket):
     """A streamed request whose text arrives while it speaks (a voice agent's LLM writing it):
     each `speak` is one more chunk, spoken in order, each conditioned on the one before as the
     chunks of a long text are, its audio decoded as a codec stream of its own so it ends with
-    its sentence. The session holds its slot between sentences; `close` ends it once all is
-    spoken, `cancel` at once (barge-in). Made by `BatchEngine.open_session`."""
+    its sentence. Between sentences it gives its slot back (parked) and takes one again for
+    the next; `close` ends it once all is spoken, `clear` cuts what it was given and goes on,
+    `cancel` ends it at once. Made by `BatchEngine.open_session`."""
 
     def __init__(self, job: Job, sink: Callable[[Event], None] | None, speak: Callable[["Session", str], None],
                  close: Callable[["Session"], None], clear: Callable[["Session"], None] | None = None):

@@ -51,6 +51,10 @@ class Request:
     # Frames of noise its random stream owes before the next chunk: a request decoded at every step
     # draws one frame past <|im_end|> (queued before the check); one that yielded that step did not.
     owed_draws: int = 0
+    # A session between sentences gives its slot back (`Scheduler.park`): parked, it keeps the rest
+    # here (`draws`: its noise frames drawn) until its next sentence brings it back.
+    parked: bool = False
+    draws: int = 0
 
     @property
     def params(self) -> SamplingParams:
@@ -148,6 +152,11 @@ class Scheduler:
         self._free = list(range(slots))  # a heap: the lowest free slot is taken first
         self._cancelled: list[Request] = []  # active requests cancelled since the last schedule
         self._cleared: list[Request] = []  # active sessions cleared (barge-in) since the last schedule
+        # Sessions parked between sentences (no slot); those with a new sentence, to admit first;
+        # those that ended while parked (closed with nothing left, or cancelled), to let go.
+        self._parked: dict[int, Request] = {}  # by id()
+        self._returning: collections.deque[Request] = collections.deque()
+        self._parked_ended: list[Request] = []
         self._closed: set[int] = set()  # slots of sessions closed while active, to end once all is spoken
 
     # -- the queue ----------------------------------------------------------------------
@@ -169,7 +178,8 @@ class Scheduler:
         return len(self._waiting)
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or len(self._free) < self.slots
+        return (bool(self._waiting) or bool(self._returning) or bool(self._parked_ended) or bool(self._cleared)
+                or len(self._free) < self.slots)
 
     def _room(self) -> int:
         """Requests that can be admitted now: each takes a free slot and a free codec lane."""
@@ -187,54 +197,118 @@ class Scheduler:
         return waiting
 
     def drop_active(self) -> list[Request]:
-        """Every active request, let go of without moving any (the engine has stopped)."""
-        active = self.active()
+        """Every active request and parked session, let go of without moving any (the engine has stopped)."""
+        active = self.active() + self.parked()
         self.requests = [None] * self.slots
         self.table.active[:] = False
+        self._parked.clear()
         return active
 
     # -- events from other threads (under the engine's lock) ----------------------------------
 
     def cancel(self, ticket: Ticket) -> None:
         """A ticket was cancelled: an active one leaves its slot at the next schedule (a waiting
-        one is dropped when it would be admitted)."""
+        one is dropped when it would be admitted; a parked one is let go)."""
         request = getattr(ticket, "request", None)
-        if request is not None and not request.retired:
+        if request is not None and request.parked:
+            self._unpark(request)
+            self._parked_ended.append(request)
+        elif request is not None and not request.retired:
             self.table.cancelled[request.slot] = True
             self._cancelled.append(request)
 
     def clear(self, session: Session) -> bool:
-        """A session was cleared (barge-in): True when it is active, to be cut at the next
-        schedule (`take_cleared`, `cut`); a waiting one starts after what was cut (`skip_to`)."""
+        """A session was cleared (barge-in): True when it is active or parked, to be cut at the
+        next schedule (`take_cleared`, `cut`); a waiting one starts after what was cut (`skip_to`)."""
         request = getattr(session, "request", None)
-        if request is None or request.retired:
+        if request is None or (request.retired and not request.parked):
             return False
         self._cleared.append(request)
         return True
 
     def take_cleared(self) -> list[Request]:
-        cleared, self._cleared = [r for r in self._cleared if not r.retired], []
+        cleared, self._cleared = [r for r in self._cleared if r.parked or not r.retired], []
         return cleared
 
     def cut(self, request: Request) -> None:
         """Cut a cleared session's sentences (the engine's thread): the one being spoken ends now
         (frames queued for it are dropped), those queued are skipped, and the next sentence
         starts without the cut one as its context."""
-        t, slot = self.table, request.slot
-        t.finished_chunk[slot] = True
-        request.chunk = t.chunk[slot] = request.ticket.skip_to - 1
+        request.chunk = request.ticket.skip_to - 1
         request.previous = []
+        if not request.parked:
+            t, slot = self.table, request.slot
+            t.finished_chunk[slot] = True
+            t.chunk[slot] = request.chunk
 
     def sentence_added(self, session: Session) -> None:
-        """A session's text list grew: an active session has one more chunk to speak."""
+        """A session's text list grew: an active session has one more chunk to speak; a parked
+        one comes back, ahead of the waiting tickets."""
         request = getattr(session, "request", None)
-        if request is not None and not request.retired:
+        if request is not None and request.parked:
+            if not any(r is request for r in self._returning):
+                self._returning.append(request)
+        elif request is not None and not request.retired:
             self.table.chunks[request.slot] = len(request.chunks)
 
     def session_closed(self, session: Session) -> None:
         request = getattr(session, "request", None)
-        if request is not None and not request.retired:
+        if request is not None and request.parked:
+            if not any(r is request for r in self._returning):  # nothing left to speak: it ends while parked
+                self._unpark(request)
+                self._parked_ended.append(request)
+        elif request is not None and not request.retired:
             self._closed.add(request.slot)
+
+    # -- sessions between sentences ------------------------------------------------------------
+
+    def park(self, request: Request) -> None:
+        """A session with nothing more to speak for now gives its slot back (the engine's thread,
+        under its lock); it keeps its context, spoken codes and random stream's place."""
+        slot = request.slot
+        request.draws = int(self.table.draws[slot])
+        self.requests[slot] = None
+        self.table.free(slot)
+        self._closed.discard(slot)
+        heapq.heappush(self._free, slot)
+        request.slot, request.parked = -1, True
+        self._parked[id(request)] = request
+
+    def _unpark(self, request: Request) -> None:
+        request.parked = False
+        self._parked.pop(id(request), None)
+
+    def parked(self) -> list[Request]:
+        return list(self._parked.values())
+
+    def let_go(self, request: Request) -> None:
+        """A parked session that ended: its adapter is given back."""
+        self._release_adapter(request.adapter_slot)
+        request.adapter_slot = 0
+
+    def take_parked_ended(self) -> list[Request]:
+        """Parked sessions that ended (closed with nothing left, or cancelled) since the last call."""
+        ended, self._parked_ended = self._parked_ended, []
+        return ended
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def _readmit(self, request: Request, slot: int) -> None:
+        """A parked session back in a slot, where it left off (its next chunk starts now)."""
+        self._unpark(request)
+        ticket = request.ticket
+        params = ticket.job.params
+        self.table.admit(slot, stream=True, session=True, chunks=len(request.chunks),
+                         seed=_seed(request.generator), adapter=request.adapter_slot,
+                         now=self.clock(), sampling=(params.temperature, params.top_p, params.repetition_penalty))
+        self.table.chunk[slot], self.table.draws[slot] = request.chunk, request.draws
+        self.table.lane[slot] = request.lane  # its codec stream stayed open while it was parked
+        request.slot = slot
+        self.requests[slot] = request
+        if ticket.closed:
+            self._closed.add(slot)
 
     # -- one iteration ------------------------------------------------------------------
 
@@ -255,7 +329,12 @@ class Scheduler:
         adapter could not be set up, with why: they fail alone. A ticket whose adapter is still
         being read keeps its place while those behind it go ahead."""
         taken, refused, held = [], [], []
-        room = self._room()
+        while self._returning and self._free:  # parked sessions with a new sentence first (their lane is theirs)
+            request = self._returning.popleft()
+            if request.parked:
+                self._readmit(request, heapq.heappop(self._free))
+                taken.append(request)
+        room = len(taken) + self._room()
         while self._waiting and len(taken) < room:
             ticket = self._waiting.popleft()
             if ticket.cancelled:
@@ -279,7 +358,7 @@ class Scheduler:
                 continue
             request = Request(ticket, chunks, generator, adapter_slot=adapter_slot)
             request.slot = heapq.heappop(self._free)
-            seed = generator.initial_seed() if hasattr(generator, "initial_seed") else 0
+            seed = _seed(generator)
             params = ticket.job.params
             self.table.admit(request.slot, stream=ticket.job.stream, session=session, chunks=len(chunks), seed=seed,
                              adapter=adapter_slot, now=self.clock(),
@@ -341,7 +420,11 @@ class Scheduler:
         """Seconds until there is work: 0 when a ticket can take a slot, a chunk can start, a
         request was cancelled or wants a frame now; else until the first stream that yields
         wants one again (inf: nothing to do until something arrives)."""
+        if self._returning and self._free:
+            return 0.0
         if self._waiting and self._room() and any(self._admissible(t) for t in self._waiting):
+            return 0.0
+        if self._parked_ended or self._cleared:
             return 0.0
         if self._cancelled or self.table.starting().size or self.ended_sessions():
             return 0.0
@@ -456,6 +539,10 @@ class Scheduler:
         heapq.heappush(self._free, slot)
         self._release_adapter(request.adapter_slot)
         request.slot, request.adapter_slot = -1, 0
+
+
+def _seed(generator) -> int:
+    return generator.initial_seed() if hasattr(generator, "initial_seed") else 0
 
 
 def _piece_boundaries(first: int, largest: int) -> tuple[np.ndarray, int]:
