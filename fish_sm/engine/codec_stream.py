@@ -392,12 +392,10 @@ class StreamingCodec:
         """Frames in a stream's next piece, after `pieces` of them."""
         return piece_frames(pieces, self.first, self.largest)
 
-    def back_frames(self, frames: int) -> int:
-        """The shortest scheduled piece length that holds `frames` frames (a last piece's back)."""
-        n = self.first
-        while n < frames and n < self.largest:
-            n = min(2 * n, self.largest)
-        return n
+    def back_frames(self, frames):
+        """The shortest scheduled piece length that holds `frames` frames (a last piece's back);
+        for an array of counts, an array."""
+        return self.scheduled[np.minimum(np.searchsorted(self.scheduled, frames), len(self.scheduled) - 1)]
 
     def lengths(self) -> list[int]:
         """Every scheduled piece length."""
@@ -442,7 +440,7 @@ class StreamingCodec:
             members = np.flatnonzero(scheduled == n)
             for at in range(0, len(members), self.rows_for(n)):
                 rows = members[at : at + self.rows_for(n)]
-                z, done = self._fronts(n, lanes[rows], starts[rows], codes[rows, :, :n])
+                z, done = self._half(self.fronts, self._front, n, lanes[rows], starts[rows], codes[rows, :, :n])
                 latents.append(z)
                 order.append(rows)
                 ran.append((self.front.commit, done))
@@ -451,7 +449,7 @@ class StreamingCodec:
         where = np.empty(len(lanes), np.int64)
         where[np.concatenate(order)] = np.arange(len(lanes))
         out = Pieces(len(lanes))
-        backs = self.scheduled[np.minimum(np.searchsorted(self.scheduled, frames), len(self.scheduled) - 1)]
+        backs = self.back_frames(frames)
         steps, frame_length = self.back.steps, self.codec.frame_length
         for n in np.unique(backs):
             n = int(n)
@@ -459,7 +457,8 @@ class StreamingCodec:
             for at in range(0, len(members), self.rows_for(n)):
                 rows = members[at : at + self.rows_for(n)]
                 index = torch.from_numpy(where[rows]).to(z.device)
-                audio, done = self._backs(n, lanes[rows], starts[rows], z.index_select(0, index)[..., : n * steps])
+                audio, done = self._half(self.backs, self.back.lanes, n, lanes[rows], starts[rows],
+                                         z.index_select(0, index)[..., : n * steps])
                 out.parts.append((rows, audio, frames[rows] * frame_length))
                 ran.append((self._commit_back, done))
         for commit, done in ran:
@@ -481,34 +480,27 @@ class StreamingCodec:
         fits = [rows for frames, rows in graphs if frames == n and rows >= b]
         return min(fits) if fits else b
 
-    def _fronts(self, n: int, lanes: np.ndarray, starts: np.ndarray, codes: Tensor) -> tuple[Tensor, _Ran]:
+    def _half(self, graphs: dict, run: Callable, n: int, lanes: np.ndarray, starts: np.ndarray,
+              x: Tensor) -> tuple[Tensor, _Ran]:
+        """One batch of either half (`run`: `_front` or the back's `lanes`) over `x` (codes or
+        latents): its captured graph for (n, rows) where there is one, else `run` itself. Its
+        output and its new state (to commit once the push has run)."""
         b = len(lanes)
-        rows = self._rows(n, b, self.fronts)
+        rows = self._rows(n, b, graphs)
         lanes_t, starts_t = self._inputs(lanes, starts, rows)
-        graph = self.fronts.get((n, rows))
+        graph = graphs.get((n, rows))
         if graph is None:
-            z, state = self._front(lanes_t, starts_t, codes)
+            out, state = run(lanes_t[:b], starts_t[:b], x)
         else:
-            z, state = graph(lanes_t, starts_t, codes)
-            z, state = z[:b], torch._foreach_mul([t[:b] for t in state], 1)  # copies: the next replay overwrites them
-        return z, _Ran(lanes_t[:b], starts_t[:b], n, state)
+            out, state = graph(lanes_t, starts_t, x)
+            # Copies: another batch of this push may replay the same graph.
+            out, state = out[:b].clone(), torch._foreach_mul([t[:b] for t in state], 1)
+        return out, _Ran(lanes_t[:b], starts_t[:b], n, state)
 
     def _front(self, lanes: Tensor, starts: Tensor, codes: Tensor) -> tuple[Tensor, list[Tensor]]:
-        state = self.front.gather(lanes[: codes.shape[0]], starts[: codes.shape[0]])
+        state = self.front.gather(lanes, starts)
         z = self.codec.decode_front(codes, state)
         return z, self.front.outputs(state, codes.shape[-1])
-
-    def _backs(self, n: int, lanes: np.ndarray, starts: np.ndarray, latents: Tensor) -> tuple[Tensor, _Ran]:
-        b = len(lanes)
-        rows = self._rows(n, b, self.backs)
-        lanes_t, starts_t = self._inputs(lanes, starts, rows)
-        graph = self.backs.get((n, rows))
-        if graph is None:
-            audio, state = self.back.lanes(lanes_t[:b], starts_t[:b], latents)
-        else:
-            audio, state = graph(lanes_t, starts_t, latents)
-            audio, state = audio[:b].clone(), torch._foreach_mul([t[:b] for t in state], 1)
-        return audio, _Ran(lanes_t[:b], starts_t[:b], n, state)
 
     # -- start-up ------------------------------------------------------------------------
 

@@ -478,22 +478,18 @@ class HostStaging:
                 for a, at in zip(arrays, offsets)]
 
     def write(self, target: Tensor, parts: list[tuple[int, np.ndarray]]) -> None:
-        """Arrays into a byte buffer on the device (`target`, uint8), each at its byte offset,
-        in one asynchronous copy queued on the current stream."""
+        """Arrays into a byte buffer on the GPU (`target`, uint8), each at its byte offset, in
+        one asynchronous copy queued on the current stream (CUDA only: `copy` serves the CPU)."""
         end = max(at + a.nbytes for at, a in parts)
-        if self.cuda:
-            i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
-            if self.copied[i] is not None:
-                self.copied[i].synchronize()  # (a copy queued `depth` calls ago: done long since)
-            host = self.buffers[i].numpy()
-        else:
-            host = target.numpy()
+        i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()  # (a copy queued `depth` calls ago: done long since)
+        host = self.buffers[i].numpy()
         for at, a in parts:
             host[at : at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        if self.cuda:
-            target[:end].copy_(self.buffers[i][:end], non_blocking=True)
-            self.copied[i] = torch.cuda.Event()
-            self.copied[i].record()
+        target[:end].copy_(self.buffers[i][:end], non_blocking=True)
+        self.copied[i] = torch.cuda.Event()
+        self.copied[i].record()
 
 
 class HostCopy:

@@ -284,17 +284,18 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
     get their whole audio."""
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
     codec = batcher._codec.codec
-    backs, cursed = codec._backs, []
+    half, cursed = codec._half, []
 
-    def failing(n, lanes, starts, latents):
-        cursed[:] = cursed or [int(lanes[0])]  # the lane of the first piece the codec ever decodes
-        if cursed[0] in lanes:  # its batch's fronts have run: no lane's state has moved on yet
-            if len(lanes) == 1:  # retried alone, it fails for good: its lane serves the next one
-                cursed[0] = -1
-            raise RuntimeError("codec broke")
-        return backs(n, lanes, starts, latents)
+    def failing(graphs, run, n, lanes, starts, x):
+        if graphs is codec.backs:  # a batch of backs
+            cursed[:] = cursed or [int(lanes[0])]  # the lane of the first piece the codec ever decodes
+            if cursed[0] in lanes:  # its batch's fronts have run: no lane's state has moved on yet
+                if len(lanes) == 1:  # retried alone, it fails for good: its lane serves the next one
+                    cursed[0] = -1
+                raise RuntimeError("codec broke")
+        return half(graphs, run, n, lanes, starts, x)
 
-    codec._backs = failing
+    codec._half = failing
     jobs = [Job(TEXTS[i % 4], params=SamplingParams(seed=i, max_new_tokens=12)) for i in range(3)]
     with batcher:
         tickets = [batcher.submit(job) for job in jobs]

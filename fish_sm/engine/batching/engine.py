@@ -33,11 +33,15 @@ if TYPE_CHECKING:  # (the engine builds batching engines over itself: no import 
 logger = logging.getLogger("fish_sm.batching")
 
 
+# Codec streams at once per slot: a stream outlives its slot while its last pieces decode, and a
+# session parked between sentences keeps its stream without a slot (a lane is ~4% of a slot's
+# memory; admissions wait for a lane beyond these).
+LANES_PER_SLOT = 2
+
+
 def codec_lanes(slots: int) -> int:
-    """Codec streams at once for `slots` slots: a stream outlives its slot while its last pieces
-    decode, and a session parked between sentences keeps its stream without a slot, so twice as
-    many (a lane is ~4% of a slot's memory; admissions wait for a lane beyond that)."""
-    return 2 * slots + 4
+    """Codec streams at once for `slots` slots."""
+    return LANES_PER_SLOT * slots + 4
 
 
 class BatchEngine:
@@ -55,7 +59,7 @@ class BatchEngine:
         # The codec's working memory is measured before the slots are sized around it, and
         # its per-stream state is counted with each slot's (`codec_lanes`).
         self.runner = ModelRunner(engine, max_batch, memory_fraction, prefix_cache, self._codec.codec.working_bytes,
-                                  self._codec.lane_bytes() * codec_lanes(1000) // 1000)
+                                  self._codec.lane_bytes() * LANES_PER_SLOT)
         slots = self.runner.slots
         self._codec.allocate(codec_lanes(slots))
         # forced_lengths: benchmarks only (FISH_SM_BENCHMARK_LENGTHS), see Scheduler.
@@ -387,8 +391,10 @@ class BatchEngine:
     def _park_if_idle(self, request: Request) -> None:
         """A session whose sentence ended with no next one queued gives its slot back until one
         comes (its codec stream, context and random stream stay): an idle session holds no row."""
+        if not isinstance(request.ticket, Session):
+            return
         with self._lock:
-            if (isinstance(request.ticket, Session) and not request.retired and request.chunk + 1 >= len(request.chunks)
+            if (not request.retired and request.chunk + 1 >= len(request.chunks)
                     and not request.ticket.closed and not request.ticket.cancelled):
                 self.scheduler.park(request)
 
