@@ -456,7 +456,7 @@ class StreamingCodec:
             members = np.flatnonzero(backs == n)
             for at in range(0, len(members), self.rows_for(n)):
                 rows = members[at : at + self.rows_for(n)]
-                index = torch.from_numpy(where[rows]).to(z.device)
+                index = to_device(torch.from_numpy(where[rows]), z.device)  # (a pageable copy would block other threads' launches)
                 audio, done = self._half(self.backs, self.back.lanes, n, lanes[rows], starts[rows],
                                          z.index_select(0, index)[..., : n * steps])
                 out.parts.append((rows, audio, frames[rows] * frame_length))

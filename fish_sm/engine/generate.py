@@ -448,12 +448,14 @@ class HostStaging:
     """Host arrays to the GPU in one asynchronous copy, through pinned buffers kept for good (a
     ring of `depth`, each reused once the copy that last read it is done): a step's inputs
     without pinning memory per copy (a pinned block of the caching host allocator comes back
-    only after its copy ran, so a busy GPU makes it allocate anew). On the CPU the arrays are
-    used as they are. Arrays that do not fit go through `to_device`."""
+    only after its copy ran, so a busy GPU makes it allocate anew). The ring outlasts every copy
+    one iteration of the engine queues (two a prefill group, one a step): those wait on the GPU
+    behind the step in flight, and reusing one of them would wait for that whole step. On the
+    CPU the arrays are used as they are. Arrays that do not fit go through `to_device`."""
 
     ALIGN = 16  # bytes: each array starts aligned, as Triton's kernels are specialised for
 
-    def __init__(self, device: torch.device, nbytes: int, depth: int = 4):
+    def __init__(self, device: torch.device, nbytes: int, depth: int = 16):
         self.device, self.nbytes = device, nbytes
         self.cuda = device.type == "cuda"
         self.buffers = ([torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
@@ -483,7 +485,7 @@ class HostStaging:
         end = max(at + a.nbytes for at, a in parts)
         i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
         if self.copied[i] is not None:
-            self.copied[i].synchronize()  # (a copy queued `depth` calls ago: done long since)
+            self.copied[i].synchronize()  # (a copy queued `depth` calls ago: a step or more since)
         host = self.buffers[i].numpy()
         for at, a in parts:
             host[at : at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)

@@ -264,3 +264,23 @@ def test_captured_codec_as_served_stays_close_to_float32_on_cuda(monkeypatch):
         out = _streamed_in_rounds(pieces, codes, (0, 1, 2))
         for i in range(len(codes)):
             assert _snr_db(out[i], codec.decode(codes[i])) > 40
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_push_never_waits_for_the_gpu_on_cuda():
+    """A push only queues work: a pageable copy or a `.item()` in it would wait inside the
+    driver for the codec's queued kernels, and the decode loop's launches on the other thread
+    would wait with it. Pushes of two piece lengths run under torch's sync debug mode set to raise."""
+    codec = codec_from_state_dict(build_codec_state_dict(CodecConfig.tiny(), seed=4), device="cuda").eval()
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=4)
+    codes = torch.randint(0, 1024, (3, codec.n_rows, 4), device="cuda")
+    with torch.inference_mode():
+        pieces.capture()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pieces.push([0, 1, 2], [0, 0, 0], codes[..., :2], [2, 2, 1])
+            audio = pieces.push([0, 1, 2], [1, 1, 1], codes, [4, 3, 4]).tensors()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert [a.shape[-1] for a in audio] == [n * codec.frame_length for n in (4, 3, 4)]

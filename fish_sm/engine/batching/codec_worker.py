@@ -316,11 +316,12 @@ class CodecWorker:
         """Whether a group of ready pieces of length `n` waits: fewer than a batch, none held
         `hold_s` yet, and every one of a stream that has played less than it was given by more
         than `spare_s` (so a request's first pieces and its last, which the client waits for,
-        never wait; nor a request whose whole audio is wanted at its end)."""
+        never wait; nor a request whose whole audio is wanted at its end; nor the first piece of
+        a session's next sentence, which a voice agent times its turn by)."""
         if self.hold_s <= 0 or len(lanes) >= self.codec.rows_for(n):
             return False
         s = self._state
-        waits = (s.stream[lanes] & ~s.finished[lanes] & (s.sentence_left[lanes] < 0)
+        waits = (s.stream[lanes] & (s.pieces[lanes] > 0) & ~s.finished[lanes] & (s.sentence_left[lanes] < 0)
                  & (now < s.ready_since[lanes] + self.hold_s) & (s.spare(lanes, now) > self.spare_s))
         return bool(waits.all())
 
