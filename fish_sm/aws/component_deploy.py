@@ -18,7 +18,7 @@ from fish_sm.aws.components import (COPY_METRIC_UNITS, ComponentOptions, apply_c
                                     create_component_request, describe_component, is_component_endpoint,
                                     list_components, pool_config_request, update_component_request, wait_component)
 from fish_sm.aws.container import MANIFEST_ENV, container_environment, server_kind
-from fish_sm.aws.deploy import check_before_creating, discard_made
+from fish_sm.aws.deploy import check_before_creating, discard_made, with_timeouts
 from fish_sm.aws.deploy_request import DeployRequest, model_request
 from fish_sm.aws.endpoints import describe_endpoint, endpoint_config, wait_endpoint
 from fish_sm.aws.monitoring import Monitoring, apply_component_monitoring
@@ -91,6 +91,7 @@ def deploy_component(aws: AWS, req: DeployRequest, opts: ComponentOptions, *, wa
                            "--copies N`")
 
     checked = check_before_creating(aws, req, log)
+    req = with_timeouts(req, checked)
     accelerators = opts.accelerators_for(checked.gpus)
     scaling = with_target(scaling, gpus=accelerators or 0, gpu_model=checked.gpu_model, env=req.env,
                           stock_container=req.stock_container)

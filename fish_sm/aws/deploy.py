@@ -9,6 +9,7 @@ InService apply the autoscaling asked for. What was made before a failed step is
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from fish_sm.aws.naming import new_stamp, rollback_alarm_name
 from fish_sm.aws.package import package_manifest
 from fish_sm.aws.s3 import S3Uri, head_object, parse_s3_uri
 from fish_sm.aws.session import AWS, error_code
+from fish_sm.aws.startup import Timeouts, deploy_timeouts
 from fish_sm.cloudwatch_metrics import ENDPOINT_ENV
 from fish_sm.errors import InputError
 
@@ -58,6 +60,7 @@ class Checked:
     pinned: dict[str, str]
     gpu_model: str | None = None  # EC2's name for the GPUs ("H100"); None with --gpus or none
     packaged_adapters: bool | None = None  # the package holds LoRA adapters (None: its manifest was not read)
+    timeouts: Timeouts | None = None  # the start-up and download timeouts, given or derived (`resolve_timeouts`)
 
 
 def check_before_creating(aws: AWS, req: DeployRequest, log: Log = quiet) -> Checked:
@@ -72,27 +75,47 @@ def check_before_creating(aws: AWS, req: DeployRequest, log: Log = quiet) -> Che
     else:
         image = req.image
     check_image(aws, image, log)
-    manifest = read_manifest(aws, req.model_data, log)
-    if manifest is not None and req.stock_container:
-        check_offline_start(json.loads(manifest), req, log)
-    adapters = None if manifest is None else bool(json.loads(manifest).get("adapters"))
+    manifest, size = read_manifest(aws, req.model_data, log)
+    parsed = None if manifest is None else json.loads(manifest)
+    if parsed is not None and req.stock_container:
+        check_offline_start(parsed, req, log)
+    adapters = None if parsed is None else bool(parsed.get("adapters"))
     return Checked(image, gpus, pinned_manifest(manifest, req.model_data, req.env.get(MANIFEST_ENV), log),
-                   hardware.model, adapters)
+                   hardware.model, adapters, resolve_timeouts(req, hardware.model, parsed, size, log))
 
 
-def read_manifest(aws: AWS, uri: S3Uri, log: Log) -> bytes | None:
-    """The package's manifest.json. An object that is not a fish-sm package, or does not exist, is an
-    error; one these credentials cannot read is left to SageMaker's role (None), with a note."""
+def read_manifest(aws: AWS, uri: S3Uri, log: Log) -> tuple[bytes | None, int | None]:
+    """The package's manifest.json and its size in bytes. An object that is not a fish-sm package, or
+    does not exist, is an error; one these credentials cannot read is left to SageMaker's role
+    (None, None), with a note."""
     try:
-        if head_object(aws, uri) is None:
+        head = head_object(aws, uri)
+        if head is None:
             raise AWSError(f"--model-data {uri} does not exist")
-        return package_manifest(aws, uri)
+        return package_manifest(aws, uri), head.get("ContentLength")
     except Exception as exc:
         if error_code(exc) not in ("403", "AccessDenied", "Forbidden"):
             raise
         log(f"note: cannot read {uri} with your credentials, so it is not checked and its manifest is not "
             f"pinned; SageMaker will use the role's")
-        return None
+        return None, None
+
+
+def resolve_timeouts(req: DeployRequest, gpu_model: str | None, manifest: dict | None, size: int | None,
+                     log: Log) -> Timeouts:
+    """--startup-timeout and --download-timeout as given, else derived from the start measured on
+    this GPU model and from the package's size (`aws.startup`); said either way."""
+    derived = deploy_timeouts(gpu_model, manifest=manifest, package_bytes=size, stock_container=req.stock_container)
+    startup = (req.startup_timeout, "--startup-timeout") if req.startup_timeout else (derived.startup, derived.startup_why)
+    download = ((req.download_timeout, "--download-timeout") if req.download_timeout
+                else (derived.download, derived.download_why))
+    log(f"timeouts: start-up {startup[0]} s ({startup[1]}); download {download[0]} s ({download[1]})")
+    return Timeouts(startup[0], download[0], startup[1], download[1])
+
+
+def with_timeouts(req: DeployRequest, checked: Checked) -> DeployRequest:
+    """The request with the timeouts `check_before_creating` settled on."""
+    return dataclasses.replace(req, startup_timeout=checked.timeouts.startup, download_timeout=checked.timeouts.download)
 
 
 def check_offline_start(manifest: dict, req: DeployRequest, log: Log) -> None:
@@ -176,6 +199,7 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
         hint = f"run `fish-sm delete {req.name}` first" if status == "Failed" else "wait until it is InService"
         raise AWSError(f"endpoint {req.name} is {status}{f' ({reason})' if reason else ''}; {hint}")
     checked = check_before_creating(aws, req, log)
+    req = with_timeouts(req, checked)
     scaling = with_target(req.autoscaling, gpus=checked.gpus, gpu_model=checked.gpu_model, env=req.env,
                           stock_container=req.stock_container)
     if scaling is not None:

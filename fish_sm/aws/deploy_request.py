@@ -11,10 +11,6 @@ from fish_sm.aws.naming import TAG_KEY, VARIANT, check_name, rollback_alarm_name
 from fish_sm.aws.s3 import S3Uri, parse_s3_uri
 from fish_sm.errors import InputError
 
-# Warm-up (loading 3.6 GB of weights, torch.compile) takes minutes; SageMaker's defaults
-# would kill the container before its first /ping succeeds.
-STARTUP_TIMEOUT_S = 1800
-DOWNLOAD_TIMEOUT_S = 1800
 _ROLE = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$")
 _SNS = re.compile(r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:\d{12}:[\w-]+$")
 _SUBNET = re.compile(r"^subnet-[0-9a-z]+$")
@@ -111,8 +107,10 @@ class DeployRequest:
     env: dict[str, str] = field(default_factory=dict)
     autoscaling: Autoscaling | None = None
     async_options: AsyncOptions | None = None
-    startup_timeout: int = STARTUP_TIMEOUT_S
-    download_timeout: int = DOWNLOAD_TIMEOUT_S
+    # Seconds to the first healthy /ping and for the package's download; None: derived by deploy
+    # from the start measured on the instance's GPU model and the package's size (aws/startup.py).
+    startup_timeout: int | None = None
+    download_timeout: int | None = None
     bake_seconds: int = 300
     rollback_errors: int = 1
     gpus: int | None = None  # the instance type's GPUs: --gpus, else asked of EC2 by deploy
@@ -151,7 +149,7 @@ class DeployRequest:
         if self.instances < 1:
             raise InputError(f"--instances must be at least 1, got {self.instances}")
         for what, value in (("startup", self.startup_timeout), ("download", self.download_timeout)):
-            if not 60 <= value <= 3600:
+            if value is not None and not 60 <= value <= 3600:
                 raise InputError(f"the {what} timeout must be 60-3600 s, got {value}")
         if not 0 <= self.bake_seconds <= 3600:
             raise InputError(f"--bake must be 0-3600 s, got {self.bake_seconds}")

@@ -77,10 +77,11 @@ from fish_sm.cli.deploy_components import component_options, component_request, 
 @click.option("--data-capture", metavar="s3://...", help="Capture requests and responses to this S3 prefix.")
 @click.option("--data-capture-percent", type=int,
               help="With --data-capture: the share of requests captured, 1-100 (default 100).")
-@click.option("--startup-timeout", type=int, default=1800, show_default=True,
-              help="Seconds the container may take to pass its first /ping (warm-up).")
-@click.option("--download-timeout", type=int, default=1800, show_default=True,
-              help="Seconds for downloading model.tar.gz.")
+@click.option("--startup-timeout", type=int,
+              help="Seconds the container may take to pass its first /ping (60-3600; default: twice the start "
+                   "measured on the instance's GPU model plus 2 minutes, 1800 where none is measured).")
+@click.option("--download-timeout", type=int,
+              help="Seconds for downloading model.tar.gz (60-3600; default: from its size).")
 @click.option("--bake", type=int, default=300, show_default=True,
               help="Updates: seconds the new fleet serves before the old one goes (rollback window).")
 @click.option("--rollback-errors", type=int, default=1, show_default=True,

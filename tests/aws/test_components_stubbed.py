@@ -187,7 +187,8 @@ def expect_health_alarms(cw, component, fish=True):
 def spec(model, memory=8192):
     return {"ModelName": model, "ComputeResourceRequirements": {"MinMemoryRequiredInMb": memory,
                                                                 "NumberOfAcceleratorDevicesRequired": 1.0},
-            "StartupParameters": {"ModelDataDownloadTimeoutInSeconds": 1800,
+            # An L40S has no measured start; a package of a few MB downloads in 2 minutes and some.
+            "StartupParameters": {"ModelDataDownloadTimeoutInSeconds": 130,
                                   "ContainerStartupHealthCheckTimeoutInSeconds": 1800}}
 
 
@@ -381,7 +382,7 @@ def expect_update(stubs, package, refuse=False):
             "RollingUpdatePolicy": {
                 "MaximumBatchSize": {"Type": "COPY_COUNT", "Value": 2}, "WaitIntervalInSeconds": 600,
                 # Two batches of 3 copies, each with room for download and warm-up twice, and its baking.
-                "MaximumExecutionTimeoutInSeconds": 2 * (2 * 3600 + 600),
+                "MaximumExecutionTimeoutInSeconds": 2 * (2 * (1800 + 130) + 600),
                 "RollbackMaximumBatchSize": {"Type": "CAPACITY_PERCENT", "Value": 100}},
             "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": f"fish-sm/{NAME}/{SECOND}/invocation-5xx"}]}}})
     sm.add_response("describe_inference_component", component(SECOND, "Updating", OLD, 3, 3),

@@ -3,12 +3,7 @@ EC2's GPU names and counts (moto ships EC2's instance type catalogue), the defau
 measured GPU (H100), an unmeasured one (A10G) and an unknown one (--gpus), and the reason deploy
 prints, through deploy() with botocore's Stubber (moto's SageMaker knows no g5 or p5 type)."""
 
-import io
-
-import boto3
 import pytest
-from botocore.response import StreamingBody
-from botocore.stub import Stubber
 
 from fish_sm.aws import deploy as d
 from fish_sm.aws.autoscaling import CAPACITY_HEADROOM, default_target, make_autoscaling
@@ -19,6 +14,7 @@ from fish_sm.aws.s3 import parse_s3_uri
 from fish_sm.aws.session import AWS
 from moto_helpers import moto_server
 from package_bytes import package_tarball
+from stubbed_deploy import stub_checks, stubbed_aws
 
 ROLE = "arn:aws:iam::123456789012:role/fish-sm"
 NOT_MEASURED = "`fish-sm capacity` measures one, and --target gives the measured figure"
@@ -63,17 +59,7 @@ def test_default_target_per_gpu_model():
 
 
 def _stub_checks(stubs, package, ec2_type, gpus):
-    stubs["sagemaker"].add_client_error("describe_endpoint", "ValidationException",
-                                        'Could not find endpoint "tts".', expected_params={"EndpointName": "tts"})
-    stubs["ec2"].add_response("describe_instance_types", {"InstanceTypes": [{"InstanceType": ec2_type, "GpuInfo": {
-        "Gpus": [{"Name": gpus.model, "Manufacturer": "NVIDIA", "Count": gpus.count}]}}]},
-        {"InstanceTypes": [ec2_type]})
-    tarball = package[0]
-    stubs["s3"].add_response("head_object", {"ContentLength": len(tarball)}, {"Bucket": "models", "Key": "model.tar.gz"})
-    stubs["s3"].add_response("get_object", {"Body": StreamingBody(io.BytesIO(tarball), len(tarball)),
-                                            "ContentLength": len(tarball),
-                                            "ContentRange": f"bytes 0-{len(tarball) - 1}/{len(tarball)}"},
-                             {"Bucket": "models", "Key": "model.tar.gz", "Range": "bytes=0-65535"})
+    stub_checks(stubs, package[0], ec2_type, gpus.model, gpus.count)
     # The target is worked out and printed before anything is made; stop at the first creation.
     stubs["sagemaker"].add_client_error("create_model", "ThrottlingException", "stop here")
 
@@ -89,14 +75,7 @@ def _stub_checks(stubs, package, ec2_type, gpus):
      f"sizes its slots by memory at start (FISH_SM_MAX_BATCH 0); the A10G GPU is not measured: {NOT_MEASURED})"),
 ])
 def test_deploy_prints_the_target_and_why(package, instance_type, gpus, line):
-    session = boto3.Session(aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
-    aws = AWS(region="us-east-1")
-    aws._session = session
-    stubs = {}
-    for service in ("sagemaker", "s3", "ec2"):
-        aws._clients[service] = client = session.client(service)
-        stubs[service] = Stubber(client)
-        stubs[service].activate()
+    aws, stubs = stubbed_aws()
     _stub_checks(stubs, package, instance_type.removeprefix("ml."), gpus)
     scaling = make_autoscaling(instances=1, min_instances=None, max_instances=4, target=None, metric="concurrency",
                                is_async=False, scale_to_zero=False)

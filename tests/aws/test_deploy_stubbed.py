@@ -112,7 +112,7 @@ def expect_update_start(stubs, package, old_instance_type, refuse_update=False):
         "EndpointConfigName": NEW, "Tags": [{"Key": "fish-sm:endpoint", "Value": NAME}],
         "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": NEW, "InitialInstanceCount": 1,
                                 "InstanceType": "ml.g6e.2xlarge", "ContainerStartupHealthCheckTimeoutInSeconds": 1800,
-                                "ModelDataDownloadTimeoutInSeconds": 1800, "InferenceAmiVersion": GPU_AMI,
+                                "ModelDataDownloadTimeoutInSeconds": 130, "InferenceAmiVersion": GPU_AMI,
                                 "RoutingConfig": {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}}]})
     cw.add_response("put_metric_alarm", {}, {
         "AlarmName": "fish-sm/tts/invocation-5xx", "AlarmDescription": ANY, "Namespace": "AWS/SageMaker",
@@ -149,7 +149,7 @@ def expect_update_start(stubs, package, old_instance_type, refuse_update=False):
         "DeploymentConfig": {
             "BlueGreenUpdatePolicy": {
                 "TrafficRoutingConfiguration": {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": 600},
-                "TerminationWaitInSeconds": 0, "MaximumExecutionTimeoutInSeconds": 7800},
+                "TerminationWaitInSeconds": 0, "MaximumExecutionTimeoutInSeconds": 2 * (1800 + 130) + 600},
             "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": "fish-sm/tts/invocation-5xx"}]}}})
     return policy, policies_query
 
