@@ -140,20 +140,21 @@ class SlotState(NamedTuple):
 
 
 STEP_INTS = 5  # a step's integers per row: noise key, cache row, position, frame index, adapter slot
-STEP_FLOATS = 3  # and floats: temperature, top_p, repetition penalty
+FIRST_INTS = 2  # a first frame's (after a prefill): noise key, cache row
+STEP_FLOATS = 3  # and floats, both: temperature, top_p, repetition penalty
 
 
-def step_layout(batch: int) -> tuple[int, int]:
+def step_layout(batch: int, ints: int = STEP_INTS) -> tuple[int, int]:
     """Where a step of `batch` rows finds its floats in its input buffer (its integers come
-    first, [STEP_INTS, batch] int64), and the buffer's bytes."""
-    floats = -(-STEP_INTS * batch * 8 // 16) * 16
+    first, [ints, batch] int64), and the buffer's bytes."""
+    floats = -(-ints * batch * 8 // 16) * 16
     return floats, floats + STEP_FLOATS * batch * 4
 
 
-def step_inputs(buffer: Tensor, batch: int) -> tuple[Tensor, Tensor]:
-    """A step's integers [STEP_INTS, batch] and floats [STEP_FLOATS, batch, 1], views of a byte buffer."""
-    at, end = step_layout(batch)
-    return (buffer[: STEP_INTS * batch * 8].view(torch.int64).view(STEP_INTS, batch),
+def step_inputs(buffer: Tensor, batch: int, ints: int = STEP_INTS) -> tuple[Tensor, Tensor]:
+    """A step's integers [ints, batch] and floats [STEP_FLOATS, batch, 1], views of a byte buffer."""
+    at, end = step_layout(batch, ints)
+    return (buffer[: ints * batch * 8].view(torch.int64).view(ints, batch),
             buffer[at:end].view(torch.float32).view(STEP_FLOATS, batch, 1))
 
 
@@ -176,6 +177,23 @@ def decode_slots(model: DualARTransformer, state: SlotState, ints: Tensor, float
     out = decode_frame(model, state.current[rows], input_pos, window, noise, floats[0], floats[1], floats[2],
                        key_pos=key_pos, pickers=pickers, rows=rows)
     state.history[rows[:, None], codebook_rows[None, :], index[:, None]] = out
+    state.current.index_copy_(0, rows, out)
+    return out
+
+
+def first_slots(model: DualARTransformer, state: SlotState, ints: Tensor, floats: Tensor, logits: Tensor,
+                hidden: Tensor, pickers: Pickers = Pickers()) -> Tensor:
+    """The first frame of each row after its prefill (no penalty window, as upstream samples it),
+    from the prefill's `logits` and `hidden` [B, ...]: its slot's history is reset and the frame
+    written back as the slot's last, so that a captured one is one replay and one copy of its
+    inputs: ints [FIRST_INTS, B] (noise key, cache row), floats [STEP_FLOATS, B, 1]. Returns the
+    frames [B, 1 + C]."""
+    keys, rows = ints
+    noise = state.noise[: rows.shape[0]]
+    if state.keyed:
+        kernels.exponential_noise(keys, noise)
+    state.history.index_fill_(0, rows, 0)  # (not `history[rows] = 0`, which waits for the GPU)
+    out = sample_frame(model, logits, hidden, None, noise, floats[0], floats[1], floats[2], pickers)
     state.current.index_copy_(0, rows, out)
     return out
 
@@ -280,12 +298,11 @@ class GraphedStep:
         # dynamo compile each layer half and sampler a second time for it).
         with torch.inference_mode():
             self.step_buffer = torch.zeros(step_layout(max_batch)[1], dtype=torch.uint8, device=dev)
+            self.first_buffer = torch.zeros(step_layout(max_batch, FIRST_INTS)[1], dtype=torch.uint8, device=dev)
             c = model.config
-            self.first_inputs = {  # the first frame after a prefill
+            self.first_outputs = {  # a prefill's, which the first frame after it reads
                 "logits": torch.zeros(max_batch, c.semantic_vocab + 1, dtype=model.dtype, device=dev),
                 "hidden": torch.zeros(max_batch, c.fast_dim, dtype=model.dtype, device=dev),
-                "noise": state.noise,
-                **{k: torch.ones(max_batch, 1, device=dev) for k in ("temperature", "top_p", "penalty")},
             }
         self.pool = torch.cuda.graph_pool_handle()
         # (batch, bucket): decode steps; ("first", batch): first frames
@@ -301,6 +318,10 @@ class GraphedStep:
     def inputs(self, batch: int) -> tuple[Tensor, Tensor]:
         """The (batch) decode graphs' static inputs (`step_inputs`)."""
         return step_inputs(self.step_buffer, batch)
+
+    def first_inputs(self, batch: int) -> tuple[Tensor, Tensor]:
+        """The (batch) first-frame graph's static inputs besides the prefill's outputs (`first_slots`)."""
+        return step_inputs(self.first_buffer, batch, FIRST_INTS)
 
     @torch.inference_mode()  # as every replay runs: one grad mode, one set of compiled graphs
     def capture(self, batch: int, bucket: int, warm_up: bool = True) -> None:
@@ -340,26 +361,28 @@ class GraphedStep:
 
     @torch.inference_mode()
     def capture_first(self, batch: int) -> None:
-        """The first frame after a prefill, sampled from its outputs without a penalty
-        window, for `batch` prompts at once: one replay instead of ~1,400 kernels launched
-        one by one (each chunk's first frame; the batching engine's admissions)."""
-        model, x = self.model, {k: v[:batch] for k, v in self.first_inputs.items()}
-        self.graphs[("first", batch)] = self._capture(lambda: sample_frame(
-            model, x["logits"], x["hidden"], None, x["noise"], x["temperature"], x["top_p"], x["penalty"],
-            pickers=self.pickers_for(batch)))
+        """The first frame after a prefill (`first_slots`) for `batch` prompts at once: one
+        replay instead of ~1,400 kernels launched one by one (each chunk's first frame; the
+        batching engine's admissions). Its capture writes into the scratch row."""
+        ints, floats = self.first_inputs(batch)
+        ints.zero_()
+        ints[1].fill_(self.scratch_row)
+        floats.fill_(1.0)
+        model, x = self.model, {k: v[:batch] for k, v in self.first_outputs.items()}
+        self.graphs[("first", batch)] = self._capture(lambda: first_slots(
+            model, self.state, ints, floats, x["logits"], x["hidden"], self.pickers_for(batch)))
 
-    def first_frame(self, logits, hidden, noise, temperature, top_p, penalty) -> Tensor:
-        """`sample_frame` after a prefill (no window) for B rows, replayed from the smallest
-        captured batch that holds them; [B, 1 + C], valid until the next replay."""
-        batch = logits.shape[0]
-        sizes = [b for kind, b in self.graphs if kind == "first" and b >= batch]
-        if not sizes:
-            return sample_frame(self.model, logits, hidden, None, noise, temperature, top_p, penalty)
-        _fill(self.first_inputs, logits=logits, hidden=hidden, temperature=temperature, top_p=top_p, penalty=penalty,
-              **({} if noise.data_ptr() == self.state.noise.data_ptr() else {"noise": noise}))
-        graph, out = self.graphs[("first", min(sizes))]
+    def first_sizes(self, rows: int) -> list[int]:
+        """The captured first-frame batch sizes that hold `rows` rows."""
+        return sorted(b for kind, b in self.graphs if kind == "first" and b >= rows)
+
+    def first_frame(self, batch: int, logits: Tensor, hidden: Tensor) -> Tensor:
+        """The captured (batch) first frame on whatever its inputs (`first_inputs`) hold, after
+        the prefill's outputs of its first rows: [batch, 1 + C], valid until the next replay."""
+        _fill(self.first_outputs, logits=logits, hidden=hidden)
+        graph, out = self.graphs[("first", batch)]
         graph.replay()
-        return out[:batch]
+        return out
 
     @torch.inference_mode()
     def capture_admission(self, batch: int, width: int) -> None:

@@ -92,6 +92,36 @@ def test_several_rows_decode_graphs_replay_their_eager_runs(tiny_checkpoint):
             assert _decode_matches_eager(engine.model, step, batch, bucket, seed=i), (batch, bucket)
 
 
+@torch.inference_mode()
+def test_every_first_frame_graph_replays_its_eager_run(engine):
+    """The first frame after a prefill, captured with its noise, history reset and write-back
+    (`first_slots`), against the same run eagerly on the same inputs and slot state."""
+    model, step = engine.model, _step(engine)
+    state = step.state
+    sizes = step.first_sizes(1)
+    assert sizes
+    for seed, batch in enumerate(sizes):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        ints, floats = step.first_inputs(batch)
+        rows = torch.randperm(step.scratch_row, device="cuda", generator=g)[:batch]
+        ints.copy_(torch.stack([torch.randint(0, 2**62, (batch,), device="cuda", generator=g), rows]))
+        floats.copy_(torch.rand(floats.shape, device="cuda", generator=g) * 0.5 + 0.5)
+        logits = torch.randn(batch, step.first_outputs["logits"].shape[1], device="cuda", generator=g).to(model.dtype)
+        hidden = torch.randn(batch, step.first_outputs["hidden"].shape[1], device="cuda", generator=g).to(model.dtype)
+        state.history[rows] = 7  # reset by the first frame
+        if not state.keyed:
+            state.noise[:batch].exponential_(1, generator=g)
+        before = [t.clone() for t in (state.current, state.history, state.noise)]
+        replayed = step.first_frame(batch, logits, hidden).clone()
+        after = [t.clone() for t in (state.current, state.history)]
+        for t, b in zip((state.current, state.history, state.noise), before):
+            t.copy_(b)
+        eager = generate.first_slots(model, state, ints.clone(), floats.clone(), logits, hidden, step.pickers_for(batch))
+        assert torch.equal(replayed, eager), batch
+        assert torch.equal(after[0], state.current) and torch.equal(after[1], state.history), batch
+        assert torch.equal(state.current[rows], eager) and not state.history[rows].any(), batch
+
+
 @pytest.mark.parametrize("cold", [True, False])
 @torch.inference_mode()
 def test_a_later_capture_runs_its_function_once_where_the_driver_loads_kernels_in_captures(engine, monkeypatch, cold):

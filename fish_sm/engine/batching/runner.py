@@ -27,12 +27,12 @@ import torch
 from torch import Tensor
 
 from fish_sm import kernels
-from fish_sm.engine.generate import (STEP_FLOATS, STEP_INTS, GraphedStep, HostCopy, HostStaging, SlotState,
-                                     admission_shape, admission_shapes, attention_bucket, batch_sizes, decode_slots,
-                                     frame_budget, length_buckets, noise_size, sample_frame, step_layout, to_device)
+from fish_sm.engine.generate import (FIRST_INTS, STEP_FLOATS, STEP_INTS, GraphedStep, HostCopy, HostStaging,
+                                     SlotState, admission_shape, admission_shapes, attention_bucket, batch_sizes,
+                                     decode_slots, first_slots, frame_budget, length_buckets, noise_size, step_layout,
+                                     to_device)
 from fish_sm.engine.prompt import build_prompt, chunk_prompt, prompt_prefix
 from fish_sm.engine.sampling import PENALTY_WINDOW, request_generator
-from fish_sm.kernels import exponential_noise
 from fish_sm.errors import FishSMError
 from fish_sm.model.dual_ar import cache_rows
 from fish_sm.engine.batching.prefix_cache import PrefixCache
@@ -354,33 +354,36 @@ class ModelRunner:
 
     def _prefill_batch(self, group: list[tuple[Request, Tensor, int]]) -> list[StepRows]:
         """One prefill for several prompts (each from its own start position, in its own slot,
-        padded at the end), then their first frames in one replay."""
-        model, dev = self.model, self.device
+        padded at the end), then their first frames in one replay (`first_slots`)."""
+        model = self.model
         requests = [r for r, _, _ in group]
         inputs = self._admission_inputs(group)
         # the spare rows of a padded batch repeat the first prompt, adapter and all
         self._use_adapters([r.adapter_slot for r in requests] + [requests[0].adapter_slot] * (inputs[0].shape[0] - len(group)))
         logits, hidden = self._admission(*inputs)
-        logits, hidden = logits[: len(group)], hidden[: len(group)]
+        n = len(group)
+        logits, hidden = logits[:n], hidden[:n]
         slots = np.array([r.slot for r in requests])
         for r in requests:
             self._settle_draws(r)
-        keys = self.table.next_keys(slots) if self.keyed_noise else np.zeros(len(slots), np.int64)
-        keys, rows, sampling = self.staging.copy(keys, slots, self.table.sampling[:, slots, None])
-        # index_fill_, not `history[rows] = 0`, which waits for the GPU's queued work.
-        self.history.index_fill_(0, rows, 0)
-        temperature, top_p, penalty = sampling
-        if self.keyed_noise:  # into the step's noise rows, which the first frames' graphs read
-            noise = exponential_noise(keys, self.noise[: len(requests)])
+        sizes = self.captured.first_sizes(n) if self.captured is not None else []
+        batch = sizes[0] if sizes else n  # padding rows name the scratch row
+        ints = np.zeros((FIRST_INTS, batch), np.int64)  # noise key, cache row
+        ints[1] = self.scratch
+        ints[1, :n] = slots
+        floats = np.ones((STEP_FLOATS, batch, 1), np.float32)
+        floats[:, :n, 0] = self.table.sampling[:, slots]
+        if self.keyed_noise:
+            ints[0, :n] = self.table.next_keys(slots)
+        else:  # each request's generator draws its noise, the same batched or alone
+            for i, r in enumerate(requests):
+                self.noise[i].exponential_(1, generator=r.generator)
+        if sizes:
+            self.staging.write(self.captured.first_buffer, [(0, ints), (step_layout(batch, FIRST_INTS)[0], floats)])
+            frames = self.captured.first_frame(batch, logits, hidden)[:n]
         else:
-            noise = torch.stack([torch.empty(self.noise.shape[1], device=dev).exponential_(1, generator=r.generator)
-                                 for r in requests])
-        if self.captured is None:
-            frames = sample_frame(model, logits, hidden, None, noise, temperature, top_p, penalty)
-        else:
-            frames = self.captured.first_frame(logits, hidden, noise, temperature, top_p, penalty).clone()
-        self.current[rows] = frames
-        return [StepRows(slots, self.table.generation[slots], self.table.chunk[slots], np.zeros(len(slots), np.int64),
+            frames = first_slots(model, self.state, *self.staging.copy(ints, floats), logits, hidden)
+        return [StepRows(slots, self.table.generation[slots], self.table.chunk[slots], np.zeros(n, np.int64),
                          host_frames(frames))]
 
     # -- the decode step ----------------------------------------------------------------
