@@ -5,6 +5,7 @@ tests of what deploy derives from them (moto's SageMaker knows no g5 or p5 type)
 import io
 
 import boto3
+import pytest
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
@@ -35,3 +36,15 @@ def stub_checks(stubs, tarball: bytes, ec2_type: str, gpu_model: str, gpus: int,
                                             "ContentLength": len(tarball),
                                             "ContentRange": f"bytes 0-{len(tarball) - 1}/{len(tarball)}"},
                              {"Bucket": "models", "Key": "model.tar.gz", "Range": "bytes=0-65535"})
+
+
+def deploy_until_stopped(aws: AWS, stubs: dict[str, Stubber], req) -> list[str]:
+    """deploy() up to the stub that refuses with "stop here"; the lines it said, every stub used."""
+    from fish_sm.aws.deploy import deploy
+
+    lines = []
+    with pytest.raises(Exception, match="stop here"):
+        deploy(aws, req, poll_s=0, log=lines.append)
+    for s in stubs.values():
+        s.assert_no_pending_responses()
+    return lines

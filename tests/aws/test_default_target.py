@@ -5,7 +5,6 @@ prints, through deploy() with botocore's Stubber (moto's SageMaker knows no g5 o
 
 import pytest
 
-from fish_sm.aws import deploy as d
 from fish_sm.aws.autoscaling import CAPACITY_HEADROOM, default_target, make_autoscaling
 from fish_sm.aws.capacity import H100_STREAMS_PER_GPU, H200_STREAMS_PER_GPU, measured_capacity
 from fish_sm.aws.deploy_request import DeployRequest
@@ -14,7 +13,7 @@ from fish_sm.aws.s3 import parse_s3_uri
 from fish_sm.aws.session import AWS
 from moto_helpers import moto_server
 from package_bytes import package_tarball
-from stubbed_deploy import stub_checks, stubbed_aws
+from stubbed_deploy import deploy_until_stopped, stub_checks, stubbed_aws
 
 ROLE = "arn:aws:iam::123456789012:role/fish-sm"
 NOT_MEASURED = "`fish-sm capacity` measures one, and --target gives the measured figure"
@@ -81,9 +80,5 @@ def test_deploy_prints_the_target_and_why(package, instance_type, gpus, line):
                                is_async=False, scale_to_zero=False)
     req = DeployRequest(name="tts", model_data=parse_s3_uri("s3://models/model.tar.gz"), role=ROLE,
                         instance_type=instance_type, image="registry.example/fish-sm:1", autoscaling=scaling)
-    lines = []
-    with pytest.raises(Exception, match="stop here"):
-        d.deploy(aws, req, poll_s=0, log=lines.append)
+    lines = deploy_until_stopped(aws, stubs, req)
     assert line in lines, lines
-    for s in stubs.values():
-        s.assert_no_pending_responses()
