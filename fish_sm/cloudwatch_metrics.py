@@ -12,6 +12,8 @@ NAMESPACE = "fish-sm"
 ENDPOINT_DIMENSION = "EndpointName"
 SERVER_DIMENSION = "Server"  # batching | mms
 DIMENSIONS = (ENDPOINT_DIMENSION, SERVER_DIMENSION)
+# A few request metrics are also kept per LoRA adapter, under both and this (fish_sm.serving.metrics).
+ADAPTER_DIMENSION = "Adapter"
 # deploy puts the endpoint's name in the container's environment under this variable (not a
 # FISH_SM_ setting, which an older image would refuse); a server without it reports "local".
 ENDPOINT_ENV = "SAGEMAKER_ENDPOINT_NAME"
@@ -32,6 +34,9 @@ REQUEST_METRICS = {
     "QueueWait": "Milliseconds",
     "Rejected": "Count",  # 503 because the server was full (batching: Retry-After; mms: no worker or connection free)
     "Errors": "Count",  # any other 5xx
+    # On lines of requests that used a LoRA adapter: 1 when it could not be read or served (its
+    # download, checksum or tensors; a 422), which deploy's adapter alarm watches.
+    "AdapterErrors": "Count",
 }
 # A line every STATE_INTERVAL_S seconds from the batching server: its engines together.
 STATE_METRICS = {

@@ -1,6 +1,6 @@
 """The CloudWatch alarms fish-sm makes, all named under fish-sm/NAME/: the rollback alarm's
-request, the health alarms' (first audio, 5XX rate, rejection rate), and finding and deleting
-them by that prefix."""
+request, the health alarms' (first audio, 5XX rate, rejection rate, adapter errors), and finding
+and deleting them by that prefix."""
 
 from __future__ import annotations
 
@@ -43,11 +43,13 @@ class AlarmThresholds:
     first_audio_p99_ms: float | None = 500.0  # the capacity SLO's first audio
     error_rate_percent: float | None = 1.0  # 5XX answers per invocation
     rejection_rate_percent: float | None = 1.0  # requests turned away by a full server
+    adapter_errors: float | None = 1.0  # requests failed in 5 minutes because their adapter could not be read
 
     def check(self) -> None:
         for flag, value in (("--alarm-first-audio-ms", self.first_audio_p99_ms),
                             ("--alarm-5xx-rate", self.error_rate_percent),
-                            ("--alarm-rejection-rate", self.rejection_rate_percent)):
+                            ("--alarm-rejection-rate", self.rejection_rate_percent),
+                            ("--alarm-adapter-errors", self.adapter_errors)):
             if value is not None and not value > 0:
                 raise InputError(f"{flag} must be positive, got {value:g}")
         for flag, value in (("--alarm-5xx-rate", self.error_rate_percent),
@@ -74,11 +76,15 @@ def _rate(numerator: dict, denominator: dict) -> list[dict]:
             {"Id": "rate", "Expression": "IF(all > 0, 100 * bad / all, 0)", "Label": "percent", "ReturnData": True}]
 
 
-def health_alarm_requests(name: str, server: str, thresholds: AlarmThresholds, *, is_async: bool = False) -> list[dict]:
+def health_alarm_requests(name: str, server: str, thresholds: AlarmThresholds, *, is_async: bool = False,
+                          adapters: bool = False) -> list[dict]:
     """The alarms on endpoint `name`'s health: p99 first audio (fish-sm's metric, streamed requests),
     the 5XX rate (SageMaker's) and the rejection rate (fish-sm's), each at its threshold. Only the
     batching server streams and turns requests away, and only in real time (an async endpoint's
-    queue is SageMaker's): elsewhere those two would watch metrics that never come."""
+    queue is SageMaker's): elsewhere those two would watch metrics that never come. With
+    `adapters` (the endpoint serves LoRA adapters), requests failed by an adapter that could not be
+    read or served (fish-sm's AdapterErrors: a bad upload, a missing permission): one is worth a look,
+    since every request for that adapter fails the same way until it is fixed."""
     out = []
     batching = server == "batching"
     if thresholds.first_audio_p99_ms is not None and batching and not is_async:
@@ -106,4 +112,13 @@ def health_alarm_requests(name: str, server: str, thresholds: AlarmThresholds, *
                                       {"Namespace": NAMESPACE, "MetricName": "Requests",
                                        "Dimensions": _ours(name, server)}),
                         Threshold=float(thresholds.rejection_rate_percent), **_WINDOW))
+    if thresholds.adapter_errors is not None and adapters:
+        out.append(dict(AlarmName=f"{alarm_prefix(name)}adapter-errors",
+                        AlarmDescription=f"fish-sm: requests to endpoint {name} failed because their LoRA adapter "
+                                         f"could not be read or served, {thresholds.adapter_errors:g} or more in 5 "
+                                         "minutes: see the server log and `fish-sm adapters list`",
+                        Namespace=NAMESPACE, MetricName="AdapterErrors", Dimensions=_ours(name, server),
+                        Statistic="Sum", Period=300, EvaluationPeriods=1,
+                        Threshold=float(thresholds.adapter_errors), ComparisonOperator="GreaterThanOrEqualToThreshold",
+                        TreatMissingData="notBreaching"))
     return out

@@ -18,7 +18,7 @@ from fish_sm.aws.components import (COPY_METRIC_UNITS, ComponentOptions, apply_c
                                     create_component_request, describe_component, is_component_endpoint,
                                     list_components, pool_config_request, update_component_request, wait_component)
 from fish_sm.aws.container import MANIFEST_ENV, container_environment, server_kind
-from fish_sm.aws.deploy import check_before_creating, discard_made, with_timeouts
+from fish_sm.aws.deploy import check_before_creating, discard_made, serves_adapters, with_timeouts
 from fish_sm.aws.deploy_request import DeployRequest, model_request
 from fish_sm.aws.endpoints import describe_endpoint, endpoint_config, wait_endpoint
 from fish_sm.aws.monitoring import Monitoring, apply_component_monitoring
@@ -151,7 +151,7 @@ def deploy_component(aws: AWS, req: DeployRequest, opts: ComponentOptions, *, wa
         components = sorted(set(list_components(aws, req.name)) | {component})
         for line in apply_component_monitoring(aws, req.name, component,
                                                server_kind(req.env, stock_container=req.stock_container), components,
-                                               monitoring, tags=tags):
+                                               monitoring, adapters=serves_adapters(env, checked), tags=tags):
             log(line)
 
     result = ComponentDeployResult(action, component, model_name, config_name if existing is None else None,

@@ -2,7 +2,9 @@
 queue wait, rejections and errors, batch occupancy and queue depth, from the servers' EMF
 lines) beside SageMaker's (invocations, model latency, 5XX), one row of graphs each. On an
 endpoint of inference components SageMaker's are per component (their InferenceComponentName
-dimension), one line per component; fish-sm's stay per endpoint and server."""
+dimension), one line per component; fish-sm's stay per endpoint and server. An endpoint that
+serves LoRA adapters gets a row per adapter (its requests, first audio, errors): a search over
+the "Adapter" dimension, so an adapter added later appears without a redeploy."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 
 from fish_sm.aws.naming import VARIANT
 from fish_sm.aws.session import AWS, error_code
-from fish_sm.cloudwatch_metrics import ENDPOINT_DIMENSION, NAMESPACE, SERVER_DIMENSION
+from fish_sm.cloudwatch_metrics import ADAPTER_DIMENSION, ENDPOINT_DIMENSION, NAMESPACE, SERVER_DIMENSION
 
 
 def dashboard_name(name: str) -> str:
@@ -23,7 +25,30 @@ def _graph(title: str, metrics: list[list], region: str, *, x: int, y: int, unit
                            "metrics": metrics, **({"yAxis": {"left": {"label": unit, "min": 0}}} if unit else {})}}
 
 
-def dashboard_body(name: str, server: str, region: str) -> dict:
+def adapter_graphs(name: str) -> list[tuple[str, list, str]]:
+    """Per-adapter graphs of endpoint `name`: one line per adapter that served a request in the
+    dashboard's time range, whichever server (CloudWatch's SEARCH over the adapter dimension)."""
+    schema = f"{{{NAMESPACE},{ADAPTER_DIMENSION},{ENDPOINT_DIMENSION},{SERVER_DIMENSION}}}"
+
+    def per_adapter(metric: str, stat: str, qid: str) -> list:
+        query = f"SEARCH('{schema} {ENDPOINT_DIMENSION}=\"{name}\" MetricName=\"{metric}\"', '{stat}', 60)"
+        return [{"expression": query, "id": qid, "label": ""}]
+
+    return [
+        ("Requests by adapter", [per_adapter("Requests", "Sum", "requests")], "per minute"),
+        ("First audio p99 by adapter (streamed requests)", [per_adapter("FirstAudio", "p99", "firstaudio")], "ms"),
+        ("Adapter errors (could not be read or served) by adapter", [per_adapter("AdapterErrors", "Sum", "adaptererrors")],
+         "per minute"),
+        ("5xx errors by adapter", [per_adapter("Errors", "Sum", "errors")], "per minute"),
+    ]
+
+
+def _widgets(graphs: list[tuple[str, list, str]], region: str) -> dict:
+    return {"widgets": [_graph(title, metrics, region, x=12 * (i % 2), y=6 * (i // 2), unit=unit)
+                        for i, (title, metrics, unit) in enumerate(graphs)]}
+
+
+def dashboard_body(name: str, server: str, region: str, adapters: bool = False) -> dict:
     ours = [ENDPOINT_DIMENSION, name, SERVER_DIMENSION, server]
     sm = ["EndpointName", name, "VariantName", VARIANT]
 
@@ -50,11 +75,10 @@ def dashboard_body(name: str, server: str, region: str) -> dict:
         ("SageMaker: model latency", [sagemaker("ModelLatency", "p50", "p50"),
                                       sagemaker("ModelLatency", "p99", "p99")], "microseconds"),
     ]
-    return {"widgets": [_graph(title, metrics, region, x=12 * (i % 2), y=6 * (i // 2), unit=unit)
-                        for i, (title, metrics, unit) in enumerate(graphs)]}
+    return _widgets(graphs + (adapter_graphs(name) if adapters else []), region)
 
 
-def component_dashboard_body(name: str, components: list[str], region: str) -> dict:
+def component_dashboard_body(name: str, components: list[str], region: str, adapters: bool = False) -> dict:
     """The dashboard of an endpoint of components: fish-sm's graphs for both servers (components
     may run either; a server's lines stay empty where none does), SageMaker's per component."""
     def fish(metric: str, stat: str, label: str) -> list:
@@ -78,14 +102,14 @@ def component_dashboard_body(name: str, components: list[str], region: str) -> d
         ("SageMaker: model latency p99 by component", per_component("ModelLatency", "p99"), "microseconds"),
         ("SageMaker: calls that found no copy", per_component("NoCapacityInvocationFailures", "Sum"), "per minute"),
     ]
-    return {"widgets": [_graph(title, metrics, region, x=12 * (i % 2), y=6 * (i // 2), unit=unit)
-                        for i, (title, metrics, unit) in enumerate(graphs)]}
+    return _widgets(graphs + (adapter_graphs(name) if adapters else []), region)
 
 
-def put_dashboard(aws: AWS, name: str, server: str, components: list[str] | None = None) -> str:
-    """The endpoint's dashboard; with `components`, an endpoint of inference components (`server` unused)."""
-    body = dashboard_body(name, server, aws.region_name) if components is None else \
-        component_dashboard_body(name, components, aws.region_name)
+def put_dashboard(aws: AWS, name: str, server: str, components: list[str] | None = None, adapters: bool = False) -> str:
+    """The endpoint's dashboard; with `components`, an endpoint of inference components (`server`
+    unused); `adapters`: it serves LoRA adapters (a row of graphs per adapter)."""
+    body = dashboard_body(name, server, aws.region_name, adapters) if components is None else \
+        component_dashboard_body(name, components, aws.region_name, adapters)
     aws.cloudwatch.put_dashboard(DashboardName=dashboard_name(name), DashboardBody=json.dumps(body))
     what = f"components {', '.join(components)} of " if components else ""
     return f"dashboard {dashboard_name(name)}: fish-sm's and SageMaker's metrics of {what}{name}"

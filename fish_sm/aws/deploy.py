@@ -113,6 +113,11 @@ def resolve_timeouts(req: DeployRequest, gpu_model: str | None, manifest: dict |
     return Timeouts(startup[0], download[0], startup[1], download[1])
 
 
+def serves_adapters(env: dict[str, str], checked: Checked) -> bool:
+    """The container serves LoRA adapters: packaged ones, or from an adapter source."""
+    return bool(checked.packaged_adapters) or bool(env.get(SOURCES_ENV))
+
+
 def with_timeouts(req: DeployRequest, checked: Checked) -> DeployRequest:
     """The request with the timeouts `check_before_creating` settled on."""
     return dataclasses.replace(req, startup_timeout=checked.timeouts.startup, download_timeout=checked.timeouts.download)
@@ -249,7 +254,8 @@ def deploy(aws: AWS, req: DeployRequest, *, wait: bool = True, poll_s: float = 1
         raise
     if monitoring is not None:
         for line in apply_monitoring(aws, req.name, server_kind(req.env, stock_container=req.stock_container),
-                                     monitoring, is_async=req.async_options is not None, tags=tags):
+                                     monitoring, is_async=req.async_options is not None,
+                                     adapters=serves_adapters(env, checked), tags=tags):
             log(line)
 
     result = DeployResult(action, model_name, config_name, image, checked.gpus, ami,

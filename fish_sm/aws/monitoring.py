@@ -19,19 +19,21 @@ class Monitoring:
     alarms: AlarmThresholds | None = field(default_factory=AlarmThresholds)  # None: --no-alarms
 
 
-HEALTH_ALARMS = ("first-audio-p99", "5xx-rate", "rejection-rate")
+HEALTH_ALARMS = ("first-audio-p99", "5xx-rate", "rejection-rate", "adapter-errors")
 
 
 def apply_monitoring(aws: AWS, name: str, server: str, monitoring: Monitoring, *, is_async: bool = False,
-                     tags: list[dict] | None = None) -> list[str]:
+                     adapters: bool = False, tags: list[dict] | None = None) -> list[str]:
     """Make the endpoint's dashboard and health alarms what `monitoring` asks (removing ours it no
-    longer asks for); returns what was done. `server` (batching | mms) is the metrics' dimension."""
+    longer asks for); returns what was done. `server` (batching | mms) is the metrics' dimension;
+    `adapters`: the endpoint serves LoRA adapters (their graphs and alarm)."""
     done = []
     if monitoring.dashboard:
-        done.append(put_dashboard(aws, name, server))
+        done.append(put_dashboard(aws, name, server, adapters=adapters))
     else:
         done += delete_dashboard(aws, name)
-    wanted = health_alarm_requests(name, server, monitoring.alarms, is_async=is_async) if monitoring.alarms else []
+    wanted = (health_alarm_requests(name, server, monitoring.alarms, is_async=is_async, adapters=adapters)
+              if monitoring.alarms else [])
     for request in wanted:
         aws.cloudwatch.put_metric_alarm(**request, **({"Tags": tags} if tags else {}))
         done.append(f"alarm {request['AlarmName']}: {request['AlarmDescription'].removeprefix('fish-sm: ')}")
@@ -58,16 +60,18 @@ def component_error_alarm_request(endpoint: str, component: str, percent: float)
 
 
 def apply_component_monitoring(aws: AWS, endpoint: str, component: str, server: str, components: list[str],
-                               monitoring: Monitoring, *, tags: list[dict] | None = None) -> list[str]:
+                               monitoring: Monitoring, *, adapters: bool = False,
+                               tags: list[dict] | None = None) -> list[str]:
     """The dashboard of the endpoint's `components` and the health alarms of `component` (its 5XX
     rate) and of the endpoint (fish-sm's first audio and rejection rate, when `server` is the
     batching server, the one that reports them). An mms component leaves the endpoint's alarms to
     the batching components beside it; --no-alarms removes the component's and the endpoint's."""
-    done = [put_dashboard(aws, endpoint, server, components)] if monitoring.dashboard else delete_dashboard(aws, endpoint)
+    done = ([put_dashboard(aws, endpoint, server, components, adapters=adapters)] if monitoring.dashboard
+            else delete_dashboard(aws, endpoint))
     wanted = []
     if monitoring.alarms is not None:
         fish_only = dataclasses.replace(monitoring.alarms, error_rate_percent=None)  # 5XX: per component
-        wanted = health_alarm_requests(endpoint, server, fish_only)
+        wanted = health_alarm_requests(endpoint, server, fish_only, adapters=adapters)
         if monitoring.alarms.error_rate_percent is not None:
             wanted.append(component_error_alarm_request(endpoint, component, monitoring.alarms.error_rate_percent))
     for request in wanted:

@@ -91,13 +91,16 @@ from fish_sm.cli.deploy_components import component_options, component_request, 
                    "rejections) and SageMaker's (invocations, model latency, 5XX).")
 @click.option("--alarms/--no-alarms", default=True, show_default=True,
               help="CloudWatch alarms fish-sm/NAME/...: p99 first audio, 5XX rate and rejection rate over their "
-                   "thresholds in 3 of 5 minutes.")
+                   "thresholds in 3 of 5 minutes; with LoRA adapters, adapter errors.")
 @click.option("--alarm-first-audio-ms", type=float, default=500.0, show_default=True,
               help="The p99 first audio (ms, streamed requests) that sets off its alarm (the capacity SLO's).")
 @click.option("--alarm-5xx-rate", "alarm_error_rate", type=float, default=1.0, show_default=True,
               help="The share of invocations answered 5XX (%) that sets off its alarm.")
 @click.option("--alarm-rejection-rate", type=float, default=1.0, show_default=True,
               help="The share of requests turned away by a full server (%) that sets off its alarm.")
+@click.option("--alarm-adapter-errors", type=float, default=1.0, show_default=True,
+              help="With LoRA adapters: requests failed in 5 minutes because their adapter could not be read or "
+                   "served (a bad upload, a missing permission) that set off its alarm.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until InService (needed for autoscaling).")
 @click.option("--poll", type=float, default=15.0, show_default=True, help="Seconds between status checks.")
 @component_options
@@ -108,8 +111,8 @@ def deploy(name, model_data, role, image, stock_container, instance_type, gpus, 
            max_instances, target, metric, is_async, async_output, async_failure, sns_success, sns_error,
            max_concurrent, scale_to_zero, env_pairs, adapter_source, tag_pairs, subnets, security_groups, kms_key,
            network_isolation, data_capture, data_capture_percent, startup_timeout, download_timeout, bake,
-           rollback_errors, dashboard, alarms, alarm_first_audio_ms, alarm_error_rate, alarm_rejection_rate, wait, poll,
-           output_format, region, profile, endpoint_url, **component_opts):
+           rollback_errors, dashboard, alarms, alarm_first_audio_ms, alarm_error_rate, alarm_rejection_rate,
+           alarm_adapter_errors, wait, poll, output_format, region, profile, endpoint_url, **component_opts):
     """Create endpoint NAME, or update it blue/green with automatic rollback.
 
     With --components (or --component C) NAME is a pool of instances holding inference
@@ -179,7 +182,7 @@ def deploy(name, model_data, role, image, stock_container, instance_type, gpus, 
     from fish_sm.aws.alarms import AlarmThresholds
     from fish_sm.aws.monitoring import Monitoring
 
-    thresholds = AlarmThresholds(alarm_first_audio_ms, alarm_error_rate, alarm_rejection_rate)
+    thresholds = AlarmThresholds(alarm_first_audio_ms, alarm_error_rate, alarm_rejection_rate, alarm_adapter_errors)
     thresholds.check()
     monitoring = Monitoring(dashboard=dashboard, alarms=thresholds if alarms else None)
     if components is not None:

@@ -50,7 +50,8 @@ from fish_sm.serving import bidi, ipc
 from fish_sm.serving.adapters import AdapterRegistry, adapter_label, resolve_adapters
 from fish_sm.serving.config import ServerConfig, check_model_dir
 from fish_sm.serving.cores import CoreRequest, EngineCore, Launch, StartFailure, launch_process
-from fish_sm.serving.errors import Busy, HTTPError, NoAudio, bad_request, start_up_failure, unknown_voice
+from fish_sm.serving.errors import (AdapterFailed, Busy, HTTPError, NoAudio, bad_request, start_up_failure,
+                                    unknown_voice)
 from fish_sm.serving.http import Limits, application, error_response, listening, read_body
 from fish_sm.serving.metrics import Metrics, RequestFigures
 from fish_sm.serving.references import reference_audio
@@ -203,6 +204,7 @@ class BatchingApp:
                                                        Prediction(results, requests, jsonlines), accept)
             return web.Response(body=payload, content_type=kind.split(";")[0])
         except HTTPError as exc:
+            request["figures"].adapter_failed = isinstance(exc, AdapterFailed)
             return _error(exc)
         except (ConnectionResetError, asyncio.CancelledError):
             raise

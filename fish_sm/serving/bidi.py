@@ -70,7 +70,7 @@ from fish_sm.contract import STREAM_FORMATS, RequestError, TTSRequest, check_tex
 from fish_sm.errors import InputError
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving.adapters import resolve_adapters
-from fish_sm.serving.errors import Busy, HTTPError
+from fish_sm.serving.errors import AdapterFailed, Busy, HTTPError
 from fish_sm.serving.metrics import SessionFigures
 from fish_sm.serving.request import load_json
 
@@ -185,6 +185,7 @@ class BidiSession:
             await self.ws.send_json({"error": exc.message, "status": 503, "retry_after_s": exc.retry_after_s})
             return False
         except HTTPError as exc:
+            self.figures.adapter_failed = isinstance(exc, AdapterFailed)
             await self.error(exc.message, exc.status, ends=True)
             return False
         self.tts = tts
@@ -380,6 +381,7 @@ class BidiSession:
                 await self.ws.send_json({"done": self._summary(payload)})
                 return
             elif kind == "error":
+                self.figures.adapter_failed = isinstance(payload, AdapterFailed)
                 await self.error(payload.message, payload.status, ends=True)
                 return
             elif kind == "rejected":  # a sentence its core refused; the session goes on

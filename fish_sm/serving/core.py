@@ -37,7 +37,7 @@ import zmq
 from fish_sm.contract import SamplingParams
 from fish_sm.errors import AdapterError, InputError
 from fish_sm.serving import ipc
-from fish_sm.serving.errors import Busy, HTTPError, engine_error, start_up_failure, unknown_voice
+from fish_sm.serving.errors import AdapterFailed, Busy, HTTPError, engine_error, start_up_failure, unknown_voice
 from fish_sm.settings import Settings
 
 logger = logging.getLogger("fish_sm.serving")
@@ -379,7 +379,8 @@ class Core:
     @staticmethod
     def _failed(id: int, error: HTTPError, held: _Held) -> ipc.Failed:
         return ipc.Failed(id, error.status, _message(error), retry_after_s=getattr(error, "retry_after_s", None),
-                          timings=held.timings(), accepted_s=held.accepted_s())
+                          adapter=isinstance(error, AdapterFailed), timings=held.timings(),
+                          accepted_s=held.accepted_s())
 
     def _report_load(self) -> None:
         """Have the sender look at the engine's occupancy at least every POLL_MS (a cancelled

@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from fish_sm.serving import ipc
-from fish_sm.serving.errors import Busy, HTTPError
+from fish_sm.serving.errors import AdapterFailed, Busy, HTTPError
 
 logger = logging.getLogger("fish_sm.serving")
 
@@ -355,8 +355,10 @@ class EngineCore:
             request.events.put_nowait(("done", Synthesized(self.sample_rate, event.frames, event.seconds, event.rtf,
                                                            dict(event.timings))))
         elif isinstance(event, ipc.Failed):
-            error = (Busy(event.message, event.retry_after_s) if event.retry_after_s is not None
-                     else HTTPError(event.status, event.message))
+            if event.retry_after_s is not None:
+                error = Busy(event.message, event.retry_after_s)
+            else:
+                error = AdapterFailed(event.message) if event.adapter else HTTPError(event.status, event.message)
             if event.final:
                 self._end(request)
                 request.events.put_nowait(("error", error))

@@ -22,6 +22,14 @@ class HTTPError(Exception):
         return json.dumps({"error": self.message}).encode()
 
 
+class AdapterFailed(HTTPError):
+    """A LoRA adapter that cannot be read or served (a download, its checksum, its tensors): this
+    request fails (422), and its metrics line counts it under AdapterErrors, which an alarm watches."""
+
+    def __init__(self, message: str):
+        super().__init__(422, message)
+
+
 def bad_request(message: str) -> HTTPError:
     return HTTPError(400, message)
 
@@ -57,7 +65,7 @@ def engine_error(exc: Exception) -> HTTPError:
     if isinstance(exc, InputError):
         return bad_request(str(exc))
     if isinstance(exc, AdapterError):
-        return HTTPError(422, " ".join(str(exc).split()))
+        return AdapterFailed(" ".join(str(exc).split()))
     if _out_of_memory(exc):
         return HTTPError(503, "the GPU ran out of memory for this request; retry, or send a shorter text or reference")
     if isinstance(exc, FishSMError):

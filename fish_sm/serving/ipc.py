@@ -180,13 +180,14 @@ class Done(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 
 class Failed(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """The request failed with this HTTP status; `final=False`: a session's sentence was refused
-    and the session goes on."""
+    and the session goes on; `adapter`: its LoRA adapter could not be read or served."""
 
     id: int
     status: int
     message: str
     retry_after_s: int | None = None
     final: bool = True
+    adapter: bool = False
     timings: dict[str, float] = {}
     accepted_s: float = 0.0
 

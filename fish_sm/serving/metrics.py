@@ -23,16 +23,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from fish_sm.cloudwatch_metrics import (DIMENSIONS, ENDPOINT_ENV, LOCAL_ENDPOINT, NAMESPACE, REQUEST_METRICS,
-                                        STATE_METRICS)
+from fish_sm.cloudwatch_metrics import (ADAPTER_DIMENSION, DIMENSIONS, ENDPOINT_ENV, LOCAL_ENDPOINT, NAMESPACE,
+                                        REQUEST_METRICS, STATE_METRICS)
 from fish_sm.contract import ADAPTER_NAME
 
-ADAPTER_DIMENSION = "Adapter"
 # The request metrics also kept per adapter: how much each is used, how it fails, how fast it is.
-ADAPTER_METRICS = ("Requests", "Errors", "Latency", "FirstAudio", "AudioSeconds")
+ADAPTER_METRICS = ("Requests", "Errors", "AdapterErrors", "Latency", "FirstAudio", "AudioSeconds")
 # One line per bidirectional-streaming session (batching server), when it ends. SessionFirstAudio:
 # from the first sentence's text complete (queued to the engine) to its first audio sent.
 SESSION_METRICS = {
+    "AdapterErrors": "Count",  # its adapter could not be read or served (as REQUEST_METRICS')
     "Sessions": "Count",
     "SentencesSpoken": "Count",
     "SessionFirstAudio": "Milliseconds",
@@ -57,6 +57,7 @@ class RequestFigures:
     rejected: bool = False  # a 503 because every slot and queue place was taken (Retry-After)
     latency_ms: float | None = None  # None: from `started` until the line is written
     adapter: str | None = None  # the LoRA adapter the request used (a known one), the "Adapter" dimension
+    adapter_failed: bool = False  # it failed because its adapter could not be read or served
     started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
 
     def add_synthesis(self, frames: int, seconds: float, rtf: float | None) -> None:
@@ -81,6 +82,7 @@ class RequestFigures:
         adapter = headers.get(ADAPTER_HEADER)
         if adapter and ADAPTER_NAME.fullmatch(adapter):
             self.adapter = adapter
+            self.adapter_failed = headers.get(ADAPTER_ERROR_HEADER) == "1"
         try:
             audio = json.loads(headers.get(AUDIO_HEADER) or "null")
             if isinstance(audio, dict):
@@ -92,6 +94,8 @@ class RequestFigures:
     def values(self) -> dict[str, float]:
         out: dict[str, float] = {"Requests": 1, "Rejected": int(self.rejected),
                                  "Errors": int(self.status >= 500 and not self.rejected)}
+        if self.adapter is not None:
+            out["AdapterErrors"] = int(self.adapter_failed)
         for name, value in (("Latency", self.latency_ms), ("FirstAudio", self.first_audio_ms),
                             ("RealTimeFactor", self.rtf),
                             ("Frames", self.frames), ("AudioSeconds", self.audio_seconds),
@@ -110,7 +114,8 @@ class RequestFigures:
 STARTED_HEADER = "X-Fish-SM-Started"
 AUDIO_HEADER = "X-Fish-SM-Audio"
 ADAPTER_HEADER = "X-Fish-SM-Adapter"
-WORKER_HEADERS = frozenset(h.lower() for h in (STARTED_HEADER, AUDIO_HEADER, ADAPTER_HEADER))
+ADAPTER_ERROR_HEADER = "X-Fish-SM-Adapter-Error"  # "1": its adapter could not be read or served
+WORKER_HEADERS = frozenset(h.lower() for h in (STARTED_HEADER, AUDIO_HEADER, ADAPTER_HEADER, ADAPTER_ERROR_HEADER))
 
 
 @dataclass
@@ -123,6 +128,7 @@ class SessionFigures:
     cancelled: bool = False
     rejected: bool = False  # refused at the start: the server was full
     status: int = 200  # the status of the error that ended it, if one did
+    adapter_failed: bool = False  # its adapter could not be read or served
     started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
 
     def values(self, seconds: float) -> dict[str, float]:
@@ -132,6 +138,8 @@ class SessionFigures:
                                  "SessionErrors": int(self.status >= 500 and not self.rejected)}
         if self.first_audio_ms is not None:
             out["SessionFirstAudio"] = round(float(self.first_audio_ms), 3)
+        if self.adapter is not None:
+            out["AdapterErrors"] = int(self.adapter_failed)
         return out
 
 
@@ -215,7 +223,8 @@ class Metrics:
             seconds = time.perf_counter() - figures.started
             self._emit(emf_line(self.dimensions, figures.values(seconds), SESSION_METRICS,
                                 {"Outcome": outcome, "StatusCode": figures.status}, adapter=figures.adapter,
-                                adapter_metrics=("Sessions", "SentencesSpoken", "SessionFirstAudio", "SessionErrors")))
+                                adapter_metrics=("Sessions", "SentencesSpoken", "SessionFirstAudio", "SessionErrors",
+                                                 "AdapterErrors")))
 
     def state(self, loads: list[dict]) -> None:
         if self.enabled and loads:

@@ -81,6 +81,32 @@ def test_deploy_makes_dashboard_and_alarms_and_delete_removes_them(moto_url):
         "Error: --alarm-5xx-rate is a percentage, at most 100, got 150"
 
 
+def test_an_endpoint_with_adapters_gets_their_graphs_and_an_adapter_error_alarm(moto_url):
+    """With an adapter source (or packaged adapters): a row of per-adapter graphs (a search over
+    the Adapter dimension, so adapters added later show) and an alarm on AdapterErrors; a redeploy
+    without adapters removes that alarm."""
+    cw = client(moto_url, "cloudwatch")
+    printed = deploy(moto_url, "tuned", "--adapter-source", "default", "--alarm-adapter-errors", 3)
+    assert "alarm fish-sm/tuned/adapter-errors: requests to endpoint tuned failed because their LoRA adapter" in printed
+    alarm, = cw.describe_alarms(AlarmNames=["fish-sm/tuned/adapter-errors"])["MetricAlarms"]
+    assert (alarm["Namespace"], alarm["MetricName"], alarm["Statistic"], alarm["Period"], alarm["Threshold"],
+            alarm["ComparisonOperator"]) == ("fish-sm", "AdapterErrors", "Sum", 300, 3.0,
+                                             "GreaterThanOrEqualToThreshold")
+    assert {d["Name"]: d["Value"] for d in alarm["Dimensions"]} == {"EndpointName": "tuned", "Server": "batching"}
+    body = json.loads(cw.get_dashboard(DashboardName="fish-sm-tuned")["DashboardBody"])
+    searches = {w["properties"]["title"]: m[0]["expression"] for w in body["widgets"]
+                for m in w["properties"]["metrics"] if isinstance(m[0], dict)}
+    assert searches["Adapter errors (could not be read or served) by adapter"] == (
+        "SEARCH('{fish-sm,Adapter,EndpointName,Server} EndpointName=\"tuned\" MetricName=\"AdapterErrors\"', 'Sum', 60)")
+    assert len(searches) == 4
+    aws = AWS(region="us-east-1", endpoint_url=moto_url)
+    done = apply_monitoring(aws, "tuned", "batching", Monitoring())  # what a redeploy without adapters asks
+    assert "removed alarm fish-sm/tuned/adapter-errors" in done
+    plain = json.loads(cw.get_dashboard(DashboardName="fish-sm-tuned")["DashboardBody"])
+    assert not any(isinstance(m[0], dict) for w in plain["widgets"] for m in w["properties"]["metrics"])
+    cli(moto_url, "delete", "tuned")
+
+
 def test_metrics_prints_recent_values_and_fails_on_nothing(moto_url):
     deploy(moto_url, "speaking", "--no-dashboard", "--no-alarms")
     printed = cli(moto_url, "metrics", "speaking", code=1)

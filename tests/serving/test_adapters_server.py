@@ -141,8 +141,10 @@ def test_a_broken_adapter_is_422_and_other_requests_carry_on(server):
     status, _, _ = request(server.url + "/ping")
     assert status == 200
     lines = lines_for(server, before, 5)
-    assert [(d["StatusCode"], d.get("Adapter"), d["Errors"]) for d in lines] == [
-        (422, "zz-broken", 0), (200, "kiri", 0), (422, "tampered", 0), (200, "kiri", 0), (422, "zz-broken", 0)]
+    # An adapter that cannot be read is no 5xx, but an adapter error (deploy's alarm watches those).
+    assert [(d["StatusCode"], d.get("Adapter"), d["Errors"], d["AdapterErrors"]) for d in lines] == [
+        (422, "zz-broken", 0, 1), (200, "kiri", 0, 0), (422, "tampered", 0, 1), (200, "kiri", 0, 0),
+        (422, "zz-broken", 0, 1)]
 
 
 def test_an_s3_adapter_is_served_and_unknown_again_once_removed_from_its_source(server, s3_server, s3_adapter):
@@ -202,8 +204,9 @@ def test_a_bidirectional_session_speaks_with_its_voices_adapter_and_writes_its_l
     while len(session_lines(server)) < before + 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     spoken, refused, failed = session_lines(server)[before:]
-    assert (failed["Adapter"], failed["Outcome"], failed["StatusCode"], failed["SentencesSpoken"]) == (
-        "zz-broken", "failed", 422, 0)
+    assert (failed["Adapter"], failed["Outcome"], failed["StatusCode"], failed["SentencesSpoken"],
+            failed["AdapterErrors"]) == ("zz-broken", "failed", 422, 0, 1)
+    assert spoken["AdapterErrors"] == 0
     assert (spoken["Adapter"], spoken["Outcome"], spoken["SentencesSpoken"], spoken["Sessions"]) == ("yasuo", "done", 2, 1)
     assert spoken["SessionFirstAudio"] > 0 and spoken["SessionSeconds"] > 0 and spoken["EndpointName"] == "tts-lora"
     assert (refused["Outcome"], refused["StatusCode"], refused["SessionErrors"]) == ("refused", 400, 0)

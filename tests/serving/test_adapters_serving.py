@@ -25,8 +25,8 @@ from fish_sm.model.lora import random_adapter, write_packaged
 from fish_sm.serving import adapters as adapters_module
 from fish_sm.serving.adapters import AdapterRegistry, S3Source
 from fish_sm.serving.errors import Busy, HTTPError
-from fish_sm.serving.metrics import (ADAPTER_HEADER, ADAPTER_METRICS, SESSION_METRICS, STARTED_HEADER, WORKER_HEADERS,
-                                     Metrics, RequestFigures, SessionFigures)
+from fish_sm.serving.metrics import (ADAPTER_ERROR_HEADER, ADAPTER_HEADER, ADAPTER_METRICS, SESSION_METRICS,
+                                     STARTED_HEADER, WORKER_HEADERS, Metrics, RequestFigures, SessionFigures)
 from fish_sm.serving.mms import handler
 from fish_sm.serving.mms.handler_service import JSONErrorTransformer
 from fish_sm.settings import Settings
@@ -277,6 +277,7 @@ def test_the_handler_applies_adapters_and_says_which_in_a_header(transformer, wo
     assert status == 400 and "unknown adapter 'nobody'" in doc["error"] and header is None
     status, doc, header = invoke(transformer, worker_context, {**base, "adapter": "zz-broken"})
     assert status == 422 and "zz-broken" in doc["error"] and header == "zz-broken"
+    assert worker_context.request_processor[0].get_response_headers().get(ADAPTER_ERROR_HEADER) == "1"
     status, doc, _ = invoke(transformer, worker_context, {**base, "adapter": "kiri"})
     assert status == 200 and len(sf.read(io.BytesIO(__import__("base64").b64decode(doc["audio"])))[0])
 
@@ -296,8 +297,9 @@ def test_metric_lines_carry_a_known_adapter_and_sessions_have_their_own():
     tuned, plain, spoken, refused = map(json.loads, written)
     base, per_adapter = tuned["_aws"]["CloudWatchMetrics"]
     assert base["Dimensions"] == [["EndpointName", "Server"]]
-    assert [m["Name"] for m in base["Metrics"]] == ["Requests", "Rejected", "Errors", "Latency", "FirstAudio",
-                                                   "RealTimeFactor", "Frames", "AudioSeconds"]
+    assert [m["Name"] for m in base["Metrics"]] == ["Requests", "Rejected", "Errors", "AdapterErrors", "Latency",
+                                                   "FirstAudio", "RealTimeFactor", "Frames", "AudioSeconds"]
+    assert tuned["AdapterErrors"] == 0
     assert per_adapter["Dimensions"] == [["EndpointName", "Server", "Adapter"]] and tuned["Adapter"] == "yasuo"
     assert [m["Name"] for m in per_adapter["Metrics"]] == [n for n in ADAPTER_METRICS if n in tuned]
     assert check_emf(plain, REQUEST_METRICS)["Errors"] == 0 and "Adapter" not in plain
@@ -314,3 +316,14 @@ def test_metric_lines_carry_a_known_adapter_and_sessions_have_their_own():
         figures = RequestFigures()
         assert figures.add_worker_answer({STARTED_HEADER: "1.0", ADAPTER_HEADER: value}, 1.0)
         assert figures.adapter == adapter
+    # A request (or session) its adapter failed: AdapterErrors 1, per adapter too; from the mms
+    # worker, its header says so.
+    assert ADAPTER_ERROR_HEADER.lower() in WORKER_HEADERS
+    failed = RequestFigures()
+    assert failed.add_worker_answer({STARTED_HEADER: "1.0", ADAPTER_HEADER: "yasuo", ADAPTER_ERROR_HEADER: "1"}, 1.0)
+    failed.status = 422
+    metrics.request(failed)
+    metrics.session(SessionFigures(adapter="kiri", status=422, adapter_failed=True), "failed")
+    for line in map(json.loads, written[-2:]):
+        assert line["AdapterErrors"] == 1 and line["Errors" if "Errors" in line else "SessionErrors"] == 0
+        assert "AdapterErrors" in [m["Name"] for m in line["_aws"]["CloudWatchMetrics"][1]["Metrics"]]

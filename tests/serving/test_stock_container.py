@@ -44,6 +44,9 @@ def start_stock(package: Path, tmp_path: Path, python: Path, extra_env: dict[str
         "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT": "*/*", "FISH_SM_WARMUP": "1", "FISH_SM_CACHE_DIR": str(tmp_path / "cache"),
         "PATH": str(python.parent) + os.pathsep + os.environ["PATH"], "PYTHONPATH": "",
         "TMPDIR": str(tmp_path),  # TorchServe's one-instance lock lives there
+        # TorchServe's metrics API listens on 8082 unless told otherwise: two servers of parallel
+        # test workers would fight over it.
+        "TS_METRICS_ADDRESS": f"http://127.0.0.1:{free_port()}",
         **(extra_env or {}),
     }
     cmd = [str(python), "-c", "from sagemaker_pytorch_serving_container import serving; serving.main()"]

@@ -15,8 +15,8 @@ from pathlib import Path
 from fish_sm.contract import TTSRequest
 from fish_sm.serving import runtime
 from fish_sm.serving.adapters import adapter_label
-from fish_sm.serving.errors import bad_request
-from fish_sm.serving.metrics import ADAPTER_HEADER, AUDIO_HEADER, audio_header
+from fish_sm.serving.errors import AdapterFailed, bad_request
+from fish_sm.serving.metrics import ADAPTER_ERROR_HEADER, ADAPTER_HEADER, AUDIO_HEADER, audio_header
 from fish_sm.serving.mms.errors import toolkit_errors
 from fish_sm.serving.request import JSONLINES_ALIASES, media_type, parse_body
 from fish_sm.serving.response import Prediction, encode_prediction
@@ -64,13 +64,19 @@ def input_fn(input_data, content_type, context=None) -> Batch:
 def predict_fn(data: Batch, model: ServingModel, context=None) -> Prediction:
     """Synthesize every request; in JSON Lines, a line without audio answers with its own error.
     The adapter the requests use goes in a response header first, so that the gate's metrics line
-    counts the answer under it, an adapter's failure too."""
+    counts the answer under it, an adapter's failure too (and that it was the adapter's, in another)."""
+    headers = hasattr(context, "set_response_header")
     with toolkit_errors():
         requests = runtime.resolve_adapters(model, data.requests)
         adapter = adapter_label(requests)
-        if adapter is not None and hasattr(context, "set_response_header"):
+        if adapter is not None and headers:
             context.set_response_header(0, ADAPTER_HEADER, adapter)
-        return runtime.predict(model, requests, data.jsonlines)
+        try:
+            return runtime.predict(model, requests, data.jsonlines)
+        except AdapterFailed:
+            if headers:
+                context.set_response_header(0, ADAPTER_ERROR_HEADER, "1")
+            raise
 
 
 def output_fn(prediction: Prediction, accept, context=None) -> tuple[bytes, str]:
