@@ -4,7 +4,7 @@ Inductor and Triton write their caches under one directory (`TORCHINDUCTOR_CACHE
 a start that finds a matching packaged copy skips code generation and autotuning. The
 packaged copy is read-only on SageMaker, so it is copied to a writable directory first,
 and what the warm-up adds is kept there. `cache.json` records what the kernels were built
-for; a cache for another GPU architecture or torch version is reported and ignored.
+for; a cache for another GPU model, CUDA, torch or Triton is reported in one line and ignored.
 Inductor unpickles cache entries, so the packaged copy is used only from a package whose
 files were verified against its manifest (`fish_sm.package.verify`).
 """
@@ -39,7 +39,10 @@ def build_info(device) -> dict:
 
 
 def mismatch(found: dict, wanted: dict) -> list[str]:
-    keys = ("torch", "device_type", "gpu_arch", "triton")
+    """What differs between the machine a cache was built on and this one. The GPU model, not
+    only its architecture: kernels tuned on one model are not the fastest on another of the same
+    architecture (an H100's on an H200)."""
+    keys = ("torch", "device_type", "gpu_arch", "gpu_name", "cuda", "triton")
     return [f"{k} {found.get(k)!r} != {wanted.get(k)!r}" for k in keys if found.get(k) != wanted.get(k)]
 
 

@@ -33,3 +33,8 @@ def test_cache_for_another_machine_is_reported_and_ignored(tmp_path, monkeypatch
     status = cache.activate(torch.device("cpu"))
     assert "ignored" in status and "torch '2.6.0+cu124'" in status and "gpu_arch 'sm_86'" in status
     assert not (tmp_path / "writable" / "fxgraph").exists()
+    # The same architecture on another GPU model, or another CUDA: compiled afresh too.
+    for key, value in (("gpu_name", "NVIDIA H100 80GB HBM3"), ("cuda", "12.4")):
+        (packaged / META).write_text(json.dumps({**build_info(torch.device("cpu")), key: value}))
+        status = CompileCache(packaged, tmp_path / "writable", verified=True).activate(torch.device("cpu"))
+        assert status.startswith("packaged cache ignored") and f"{key} {value!r} != None" in status
