@@ -384,6 +384,20 @@ class GraphedStep:
         graph.replay()
         return out
 
+    def _prompt_inputs(self, batch: int, width: int) -> dict[str, Tensor]:
+        """A captured prefill's static inputs, `batch` prompts padded to `width`: tokens
+        [batch, 1 + C, width], positions [batch, width], cache rows and last positions [batch],
+        views of one buffer ("buffer", int64; each part 16-byte aligned) that a prefill's
+        inputs reach in one staged copy (`admit`)."""
+        counts = _prompt_counts(batch, 1 + self.model.config.num_codebooks, width)
+        buffer = torch.zeros(sum(_even(n) for n in counts), dtype=torch.long, device=self.model.device)
+        tokens, positions, row, last = (part[:n] for part, n in zip(buffer.split([_even(n) for n in counts]), counts))
+        x = {"tokens": tokens.view(batch, -1, width), "positions": positions.view(batch, width), "row": row,
+             "last": last, "buffer": buffer}
+        x["positions"].copy_(torch.arange(width, device=buffer.device).repeat(batch, 1))
+        x["row"].fill_(self.scratch_row)
+        return x
+
     @torch.inference_mode()
     def capture_admission(self, batch: int, width: int) -> None:
         """A prefill of `batch` prompts from position 0 (no reused prefix), padded at their
@@ -391,11 +405,7 @@ class GraphedStep:
         over its own `width` positions: the batching engine's admissions as one
         replay, not ~1,300 kernels launched from Python (measured 40-170 ms under load,
         every stream waiting). Its capture writes into the scratch row."""
-        model, dev = self.model, self.model.device
-        x = {"tokens": torch.zeros(batch, 1 + model.config.num_codebooks, width, dtype=torch.long, device=dev),
-             "positions": torch.arange(width, device=dev).repeat(batch, 1),
-             "row": torch.full((batch,), self.scratch_row, dtype=torch.long, device=dev),
-             "last": torch.zeros(batch, dtype=torch.long, device=dev)}
+        model, x = self.model, self._prompt_inputs(batch, width)
         graph, out = self._capture(lambda: model.forward_slow(x["tokens"], x["positions"], width,
                                                               row=x["row"], last=x["last"]))
         self.admissions[(batch, width)] = graph, x, out
@@ -406,29 +416,22 @@ class GraphedStep:
         positions, each attending over the first `live` slots of its cache row (those after a
         query masked): one replay for a voice's prompt after its kept prefix. Its capture
         writes into the scratch row."""
-        model, dev = self.model, self.model.device
-        x = {"tokens": torch.zeros(batch, 1 + model.config.num_codebooks, width, dtype=torch.long, device=dev),
-             "positions": torch.arange(width, device=dev).repeat(batch, 1),
-             "row": torch.full((batch,), self.scratch_row, dtype=torch.long, device=dev),
-             "last": torch.zeros(batch, dtype=torch.long, device=dev)}
+        model, x = self.model, self._prompt_inputs(batch, width)
         key_pos = model.positions[:live]
         graph, out = self._capture(lambda: model.forward_slow(x["tokens"], x["positions"], live, key_pos=key_pos,
                                                               row=x["row"], last=x["last"]))
         self.continuations[(batch, width, live)] = graph, x, out
 
-    def continue_prompts(self, key: tuple[int, int, int], tokens: Tensor, positions: Tensor, row: Tensor,
-                         last: Tensor) -> tuple[Tensor, Tensor]:
-        """`capture_continuation`'s (batch, width, live) graph on these inputs: its outputs."""
-        graph, x, out = self.continuations[key]
-        _fill(x, tokens=tokens, positions=positions, row=row, last=last)
-        graph.replay()
-        return out
-
-    def admit(self, tokens: Tensor, positions: Tensor, row: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
-        """`forward_slow` of prompts from position 0 already padded to a captured (batch,
-        width): logits and fast-transformer inputs, graph outputs valid until the next replay."""
-        graph, x, out = self.admissions[(tokens.shape[0], tokens.shape[-1])]
-        _fill(x, tokens=tokens, positions=positions, row=row, last=last)
+    def admit(self, graphs: dict, key: tuple, staging: "HostStaging", inputs: tuple[np.ndarray, ...]
+              ) -> tuple[Tensor, Tensor]:
+        """A captured prefill (`graphs`: `admissions` by (batch, width), or `continuations` by
+        (batch, width, live)) on host `inputs` (tokens, positions, cache rows, last positions,
+        already padded to its shape), copied into its buffer at once: logits and
+        fast-transformer inputs, graph outputs valid until the next replay."""
+        graph, x, out = graphs[key]
+        counts = _prompt_counts(*x["tokens"].shape)
+        offsets = np.cumsum([0, *(_even(n) * 8 for n in counts[:-1])])
+        staging.write(x["buffer"].view(torch.uint8), [(int(at), np.asarray(a, np.int64)) for at, a in zip(offsets, inputs)])
         graph.replay()
         return out
 
@@ -449,6 +452,16 @@ class GraphedStep:
         graph, out = self.graphs[(batch, bucket)]
         graph.replay()
         return out
+
+
+def _prompt_counts(batch: int, rows: int, width: int) -> list[int]:
+    """Elements of a prefill's tokens, positions, cache rows and last positions."""
+    return [batch * rows * width, batch * width, batch, batch]
+
+
+def _even(n: int) -> int:
+    """n rounded up to even: int64 parts of one buffer then start 16-byte aligned."""
+    return n + n % 2
 
 
 def _fill(buffers: dict[str, Tensor], **values: Tensor) -> None:

@@ -6,6 +6,7 @@ capture cold, loading any kernel they launch first inside the capture (CUDA 12.3
 later). Each graph must still replay exactly what an eager call computes.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,6 +40,24 @@ def test_every_admission_graph_replays_its_eager_run(engine):
         graph.replay()
         replayed = [t.clone() for t in out]
         eager = model.forward_slow(x["tokens"], x["positions"], width, row=x["row"], last=x["last"])
+        assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(replayed, eager)), (batch, width)
+
+
+@torch.inference_mode()
+def test_an_admission_staged_from_host_arrays_replays_its_eager_run(engine):
+    """A prefill's host arrays staged straight into its captured graph's buffer (`admit`), the
+    parts of odd length included: the same outputs as the compiled layers on those arrays."""
+    model, runner = engine.model, engine.batching().runner
+    step, rows = runner.captured, 1 + engine.config.num_codebooks
+    rng = np.random.default_rng(1)
+    for batch, width in sorted(step.admissions)[:3]:
+        tokens = rng.integers(0, 1000, (batch, rows, width))
+        positions = np.broadcast_to(np.arange(width), (batch, width))
+        slots, last = np.full(batch, step.scratch_row), rng.integers(0, width, batch)
+        replayed = [t.clone() for t in step.admit(step.admissions, (batch, width), runner.staging,
+                                                  (tokens, positions, slots, last))]
+        on_gpu = [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in (tokens, positions, slots, last)]
+        eager = model.forward_slow(on_gpu[0], on_gpu[1], width, row=on_gpu[2], last=on_gpu[3])
         assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(replayed, eager)), (batch, width)
 
 

@@ -209,12 +209,12 @@ class ModelRunner:
         """Compile the admissions' prefill (installed by `kernels.install(model, kernels.BATCHING)`) for one prompt and for several,
         the two cases the compiled code tells apart, before a request waits on it. It writes
         into slots that are free."""
-        dev, width = self.device, 16
-        for batch in sorted({1, min(2, self.slots)}):
-            tokens = torch.zeros(batch, self.rows, width, dtype=torch.long, device=dev)
-            positions = torch.arange(width, device=dev).expand(batch, width)
-            self._admission(tokens, positions, torch.arange(batch, device=dev),
-                            torch.full((batch,), width - 1, device=dev), width, from_zero=True, captured=False)
+        width = 16
+        for batch in sorted({1, min(2, self.slots)}):  # host arrays, staged as a request's are
+            tokens = np.zeros((batch, self.rows, width), np.int64)
+            positions = np.broadcast_to(np.arange(width), (batch, width))
+            self._admission(tokens, positions, np.arange(batch), np.full(batch, width - 1), width, from_zero=True,
+                            captured=False)
 
     def bind(self, table: SlotTable, requests: list[Request | None]) -> None:
         self.table, self.requests = table, requests
@@ -299,8 +299,8 @@ class ModelRunner:
     def _admission_inputs(self, group: list[tuple[Request, Tensor, int]]) -> tuple:
         """Tokens, positions, cache rows and last positions of the prompts' rests (after any
         reused prefix), each padded at its end with its last token (whose keys land after the
-        prompt, where decoding overwrites them before a query may see them); and the slots
-        in use once they are written. Prompts all from position 0 are padded to
+        prompt, where decoding overwrites them before a query may see them), host arrays; and
+        the slots in use once they are written. Prompts all from position 0 are padded to
         `_admission_shape`, spare rows repeating the first prompt (the same values written
         into its row again)."""
         rests = [prompt[:, start:] for _, prompt, start in group]
@@ -320,21 +320,28 @@ class ModelRunner:
         positions = np.minimum(np.array(starts)[:, None] + np.arange(width), self.max_seq_len - 1)
         rows = np.array([r.slot for r, _, _ in group] + [group[0][0].slot] * (batch - len(group)))
         last = np.array([rest.shape[1] - 1 for rest in rests])
-        return (*self.staging.copy(tokens, positions, rows, last), max(prompt.shape[1] for _, prompt, _ in group),
-                not any(starts))
+        return tokens, positions, rows, last, max(prompt.shape[1] for _, prompt, _ in group), not any(starts)
 
-    def _admission(self, tokens: Tensor, positions: Tensor, rows: Tensor, last: Tensor, live: int, from_zero: bool,
-                   captured: bool = True):
-        """The slow transformer over padded prompts: a captured admission's replay where
-        there is one, else the compiled layers (eagerly on CPU); from position 0 causally over
+    def _admission(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray, last: np.ndarray, live: int,
+                   from_zero: bool, captured: bool = True):
+        """The slow transformer over padded prompts (host arrays, `_admission_inputs`): a
+        captured admission's replay where there is one (its inputs staged straight into its
+        buffer), else the compiled layers (eagerly on CPU); from position 0 causally over
         their own positions, after a reused prefix over the `live` slots in use (on CUDA, as
         many as the attention bucket that holds them). A continuation of a shape no graph has
         yet is captured between steps, for the next prompt of its shape (a voice's prompts
         after its kept prefix are all alike)."""
         shape = (tokens.shape[0], tokens.shape[-1])
+        arrays = (tokens, positions, rows, last)
         if captured and from_zero and self.captured is not None and shape in self.captured.admissions:
             self.prefills["captured"] += 1
-            return self.captured.admit(tokens, positions, rows, last)
+            return self.captured.admit(self.captured.admissions, shape, self.staging, arrays)
+        if self.captured is not None and not from_zero:
+            key = (*shape, attention_bucket(self.max_seq_len, live))
+            if captured and key in self.captured.continuations:
+                self.prefills["continued", "captured"] += 1
+                return self.captured.admit(self.captured.continuations, key, self.staging, arrays)
+        tokens, positions, rows, last = self.staging.copy(*arrays)
         if from_zero:
             self.prefills["compiled", *shape] += 1
             return self.model.forward_slow(tokens, positions, tokens.shape[-1], row=rows, last=last)
@@ -342,9 +349,6 @@ class ModelRunner:
             self.prefills["continued"] += 1
             return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
         key = (*shape, attention_bucket(self.max_seq_len, live))
-        if captured and key in self.captured.continuations:
-            self.prefills["continued", "captured"] += 1
-            return self.captured.continue_prompts(key, tokens, positions, rows, last)
         if captured and self.captured.admissions and shape == self._group_shape(*shape) and key not in self._queued:
             self._queued.add(key)
             self._to_capture.append(("continued", *key))
