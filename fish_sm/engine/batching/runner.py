@@ -332,13 +332,13 @@ class ModelRunner:
         yet is captured between steps, for the next prompt of its shape (a voice's prompts
         after its kept prefix are all alike)."""
         shape = (tokens.shape[0], tokens.shape[-1])
+        key = (*shape, attention_bucket(self.max_seq_len, live))  # a continuation's graph
         arrays = (tokens, positions, rows, last)
-        if captured and from_zero and self.captured is not None and shape in self.captured.admissions:
-            self.prefills["captured"] += 1
-            return self.captured.admit(self.captured.admissions, shape, self.staging, arrays)
-        if self.captured is not None and not from_zero:
-            key = (*shape, attention_bucket(self.max_seq_len, live))
-            if captured and key in self.captured.continuations:
+        if captured and self.captured is not None:
+            if from_zero and shape in self.captured.admissions:
+                self.prefills["captured"] += 1
+                return self.captured.admit(self.captured.admissions, shape, self.staging, arrays)
+            if not from_zero and key in self.captured.continuations:
                 self.prefills["continued", "captured"] += 1
                 return self.captured.admit(self.captured.continuations, key, self.staging, arrays)
         tokens, positions, rows, last = self.staging.copy(*arrays)
@@ -348,7 +348,6 @@ class ModelRunner:
         if self.captured is None:
             self.prefills["continued"] += 1
             return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
-        key = (*shape, attention_bucket(self.max_seq_len, live))
         if captured and self.captured.admissions and shape == self._group_shape(*shape) and key not in self._queued:
             self._queued.add(key)
             self._to_capture.append(("continued", *key))

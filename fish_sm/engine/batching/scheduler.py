@@ -246,7 +246,7 @@ class Scheduler:
         one comes back, ahead of the waiting tickets."""
         request = getattr(session, "request", None)
         if request is not None and request.parked:
-            if not any(r is request for r in self._returning):
+            if not self._is_returning(request):
                 self._returning.append(request)
         elif request is not None and not request.retired:
             self.table.chunks[request.slot] = len(request.chunks)
@@ -254,7 +254,7 @@ class Scheduler:
     def session_closed(self, session: Session) -> None:
         request = getattr(session, "request", None)
         if request is not None and request.parked:
-            if not any(r is request for r in self._returning):  # nothing left to speak: it ends while parked
+            if not self._is_returning(request):  # nothing left to speak: it ends while parked
                 self._unpark(request)
                 self._parked_ended.append(request)
         elif request is not None and not request.retired:
@@ -265,14 +265,14 @@ class Scheduler:
     def park(self, request: Request) -> None:
         """A session with nothing more to speak for now gives its slot back (the engine's thread,
         under its lock); it keeps its context, spoken codes and random stream's place."""
-        slot = request.slot
-        request.draws = int(self.table.draws[slot])
-        self.requests[slot] = None
-        self.table.free(slot)
-        self._closed.discard(slot)
-        heapq.heappush(self._free, slot)
+        request.draws = int(self.table.draws[request.slot])
+        self._free_slot(request.slot)
         request.slot, request.parked = -1, True
         self._parked[id(request)] = request
+
+    def _is_returning(self, request: Request) -> bool:
+        """A parked session already queued to come back for a new sentence."""
+        return any(r is request for r in self._returning)
 
     def _unpark(self, request: Request) -> None:
         request.parked = False
@@ -532,13 +532,16 @@ class Scheduler:
 
     def retire(self, request: Request) -> None:
         """Free the request's slot (it must hold one)."""
-        slot = request.slot
+        self._free_slot(request.slot)
+        self._release_adapter(request.adapter_slot)
+        request.slot, request.adapter_slot = -1, 0
+
+    def _free_slot(self, slot: int) -> None:
+        """The slot holds no request now (one that left, or a session parked)."""
         self.requests[slot] = None
         self.table.free(slot)
         self._closed.discard(slot)
         heapq.heappush(self._free, slot)
-        self._release_adapter(request.adapter_slot)
-        request.slot, request.adapter_slot = -1, 0
 
 
 def _seed(generator) -> int:
