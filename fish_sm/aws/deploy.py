@@ -106,8 +106,9 @@ def resolve_timeouts(req: DeployRequest, gpu_model: str | None, manifest: dict |
     """--startup-timeout and --download-timeout as given, else derived from the start measured on
     this GPU model and from the package's size (`aws.startup`); said either way."""
     derived = deploy_timeouts(gpu_model, manifest=manifest, package_bytes=size, stock_container=req.stock_container)
-    startup = (req.startup_timeout, "--startup-timeout") if req.startup_timeout else (derived.startup, derived.startup_why)
-    download = ((req.download_timeout, "--download-timeout") if req.download_timeout
+    startup = ((req.startup_timeout, "--startup-timeout") if req.startup_timeout is not None
+               else (derived.startup, derived.startup_why))
+    download = ((req.download_timeout, "--download-timeout") if req.download_timeout is not None
                 else (derived.download, derived.download_why))
     log(f"timeouts: start-up {startup[0]} s ({startup[1]}); download {download[0]} s ({download[1]})")
     return Timeouts(startup[0], download[0], startup[1], download[1])

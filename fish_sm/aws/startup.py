@@ -35,9 +35,6 @@ class MeasuredStart:
     command: str
     source: str
 
-    def describe(self) -> str:
-        return f"`{self.command}` on {self.device}, {self.date}, {self.source}"
-
 
 MEASURED_STARTS: dict[str, MeasuredStart] = {
     "H100": MeasuredStart(
