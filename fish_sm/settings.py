@@ -50,8 +50,8 @@ class Settings:
     step_rows: int = 0  # batching server: most requests one decode step takes (0: every one that wants a frame)
     max_queue: int = 64  # batching server: requests that may wait for a slot; more get 503 + Retry-After
     prefix_cache: int = 8  # reference-voice prompt prefills kept on the GPU
-    # the streamed codec on a GPU: auto (the conv decoder in float16, the fronts' float32
-    # matmuls in TF32; 51 dB SNR against float32) | float32 (the codec's own precision throughout)
+    # the streamed codec on a GPU: auto (both halves in float16; 47 dB SNR against float32 on
+    # S1-mini's shapes) | float32 (the codec's own precision throughout)
     codec_precision: str = "auto"
     max_lines: int = 256  # lines a JSON Lines body may hold; more is a 413
     # bidirectional sessions: seconds with no message from the client and nothing left to speak

@@ -158,29 +158,43 @@ class ContextPool:
             t.index_copy_(0, lanes, v)
 
 
+def front_in(codec: Codec, dtype: torch.dtype) -> nn.Module:
+    """The codec's front (`Codec.decode_front`: its quantizer's decode) in `dtype`: the codec's
+    own quantizer, or a copy of what its decode runs (not the encoder's half) in that dtype."""
+    quantizer = codec.quantizer
+    if dtype == codec.dtype:
+        return quantizer
+    decode_only = copy.copy(quantizer)
+    decode_only._modules = dict(quantizer._modules, pre_module=None, downsample=nn.ModuleList())
+    return copy.deepcopy(decode_only).to(dtype)
+
+
 class FrontState:
     """The front's state for every lane: its transformer's last `keep` keys and values per
-    layer in a ring (position p in slot p % keep), and its stateful convs' carried inputs."""
+    layer in a ring (position p in slot p % keep), and its stateful convs' carried inputs.
+    `quantizer`: the codec's (`Codec.quantizer`), or a copy of it in another dtype
+    (`front_in`); it runs every front."""
 
-    def __init__(self, codec: Codec):
-        self.codec = codec
-        post = codec.quantizer.post_module
+    def __init__(self, quantizer: nn.Module, n_rows: int):
+        self.quantizer = quantizer
+        post = quantizer.post_module
         if post is not None and post.window is None:
             raise FishSMError("the codec's transformer attends over whole utterances: it cannot be streamed in lanes")
         self.post = post
         self.keep = 0 if post is None else post.window - 1
-        device = codec.device
+        weight = next(quantizer.parameters())
+        self.dtype = weight.dtype
         # The layout: one piece through the front with a rows state, from which each conv's context shape is read.
         state: dict = {}
         if post is not None:
             attention = post.layers[0].attention
             self.heads, self.head_dim = attention.n_head, attention.head_dim
-            state[post] = (torch.zeros(1, dtype=torch.long, device=device), self._caches(1))
+            state[post] = (torch.zeros(1, dtype=torch.long, device=weight.device), self._caches(1))
         with torch.inference_mode():
-            codec.decode_front(torch.zeros(1, codec.n_rows, 1, dtype=torch.long, device=device), state)
+            quantizer.decode(torch.zeros(1, n_rows, 1, dtype=torch.long, device=weight.device), state)
         self.convs = [m for m in state if m is not post]
         self.contexts = ContextPool([tuple(state[m].shape[1:]) for m in self.convs], [state[m].dtype for m in self.convs],
-                                    device)
+                                    weight.device)
         self.layers = 0 if post is None else len(post.layers)
         self.rings: list[tuple[Tensor, Tensor]] = []  # per layer: keys, values [lanes * keep, heads, head_dim]
 
@@ -188,7 +202,7 @@ class FrontState:
         caches = []
         for _ in range(len(self.post.layers)):
             cache = KVCache(self.keep)
-            cache.k, cache.v = (self.codec.decoder.model[0].conv.weight.new_zeros(rows, self.heads, self.keep, self.head_dim)
+            cache.k, cache.v = (next(self.quantizer.parameters()).new_zeros(rows, self.heads, self.keep, self.head_dim)
                                 for _ in range(2))
             caches.append(cache)
         return caches
@@ -197,12 +211,12 @@ class FrontState:
         if self.post is None:
             return self.contexts.row_bytes()
         ring = 2 * self.layers * self.keep * self.heads * self.head_dim
-        return self.contexts.row_bytes() + ring * torch.finfo(self.codec.dtype).bits // 8
+        return self.contexts.row_bytes() + ring * torch.finfo(self.dtype).bits // 8
 
     def allocate(self, rows: int) -> None:
         self.contexts.allocate(rows)
         if self.post is not None:
-            p = self.codec.decoder.model[0].conv.weight
+            p = next(self.quantizer.parameters())
             self.rings = [tuple(p.new_zeros(rows * self.keep, self.heads, self.head_dim) for _ in range(2))
                           for _ in range(self.layers)]
             self.offsets = torch.arange(-self.keep, 0, device=p.device)
@@ -357,21 +371,24 @@ class StreamingCodec:
     batch). On CUDA both halves replay graphs captured by `capture`."""
 
     def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_batch_frames: int = 512,
-                 back_dtype: torch.dtype | None = None, front_tf32: bool = True, lanes: int = 0):
+                 back_dtype: torch.dtype | None = None, front_dtype: torch.dtype | None = None,
+                 front_tf32: bool = True, lanes: int = 0):
         self.codec, self.first, self.largest = codec, first, largest
         self.max_batch_frames = max_batch_frames
         self.use_graphs = codec.device.type == "cuda"
-        # Its own stream and pool (`Captures`); TF32 fronts: faster, at ~51 dB SNR against float32.
+        # Its own stream and pool (`Captures`); TF32 for a float32 front's matmuls: faster, at
+        # ~51 dB SNR against float32.
         self.front_tf32 = front_tf32  # (on CUDA: the CPU captures no graphs)
         self.captures = Captures(codec.device, tf32=front_tf32) if self.use_graphs else None
-        # The back in float16 on CUDA (`back_dtype` None, a float32 codec): its inputs rounded to
-        # 10-bit mantissas, as cuDNN's TF32 convolutions round them, on tensor cores twice as fast.
-        if back_dtype is None:
-            fp32 = codec.dtype == torch.float32
-            back_dtype = torch.float16 if self.use_graphs and fp32 else codec.dtype
+        # On CUDA with a float32 codec (a dtype None), both halves in float16: 10-bit mantissas,
+        # as TF32 rounds its inputs, on tensor cores twice as fast. (A bfloat16 front, 7 bits,
+        # gave 31 dB SNR against float32 on S1-mini's shapes; float16, 47 dB.)
+        half = self.use_graphs and codec.dtype == torch.float32
+        back_dtype = back_dtype or (torch.float16 if half else codec.dtype)
+        front_dtype = front_dtype or (torch.float16 if half else codec.dtype)
         self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype)
-        codec.front_rope(POSITIONS)  # sized once, before any graph reads it
-        self.front = FrontState(codec)
+        codec.front_rope(POSITIONS)  # sized once, before any graph reads it (and before a copy is made)
+        self.front = FrontState(front_in(codec, front_dtype), codec.n_rows)
         # Scheduled lengths, and the frames before each piece while they double (`starts`).
         self.scheduled = np.array(self.lengths(), np.int64)
         self._doubling = int(np.sum(self.scheduled < largest))
@@ -433,14 +450,20 @@ class StreamingCodec:
         codes = codes.long()
         if codes.shape[-1] < scheduled.max(initial=0):
             codes = F.pad(codes, (0, int(scheduled.max()) - codes.shape[-1]))
+        # The fronts grouped by length, so that each batch's codes are a slice (indexing a
+        # device tensor by a host array would copy the index from pageable memory).
+        by_length = np.argsort(scheduled, kind="stable")
+        if (by_length != np.arange(len(by_length))).any():
+            codes = codes.index_select(0, to_device(torch.from_numpy(by_length), codes.device))
         ran: list[tuple[Callable, _Ran]] = []
         latents, order = [], []
-        for n in np.unique(scheduled):
-            n = int(n)
-            members = np.flatnonzero(scheduled == n)
-            for at in range(0, len(members), self.rows_for(n)):
-                rows = members[at : at + self.rows_for(n)]
-                z, done = self._half(self.fronts, self._front, n, lanes[rows], starts[rows], codes[rows, :, :n])
+        lengths, firsts = np.unique(scheduled[by_length], return_index=True)
+        ends = np.append(firsts[1:], len(by_length))
+        for n, first, end in zip(lengths.tolist(), firsts.tolist(), ends.tolist()):
+            for at in range(first, end, self.rows_for(n)):
+                upto = min(at + self.rows_for(n), end)
+                rows = by_length[at:upto]
+                z, done = self._half(self.fronts, self._front, n, lanes[rows], starts[rows], codes[at:upto, :, :n])
                 latents.append(z)
                 order.append(rows)
                 ran.append((self.front.commit, done))
@@ -499,7 +522,7 @@ class StreamingCodec:
 
     def _front(self, lanes: Tensor, starts: Tensor, codes: Tensor) -> tuple[Tensor, list[Tensor]]:
         state = self.front.gather(lanes, starts)
-        z = self.codec.decode_front(codes, state)
+        z = self.front.quantizer.decode(codes, state).to(self.back.dtype)  # (the latents the back's graphs take)
         return z, self.front.outputs(state, codes.shape[-1])
 
     # -- start-up ------------------------------------------------------------------------

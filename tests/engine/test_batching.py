@@ -216,10 +216,10 @@ def test_steady_window_counts_each_request_pro_rata():
 
 def test_the_codec_precision_reaches_the_streaming_codec(tiny_checkpoint):
     engine = Engine.from_pretrained(tiny_checkpoint, device="cpu")
-    fast = BatchEngine(engine, max_batch=1)._codec.codec  # on a GPU: float16 back, TF32 fronts
-    assert fast.front_tf32 and fast.back.dtype == engine.codec.dtype  # (the CPU's back stays float32)
+    fast = BatchEngine(engine, max_batch=1)._codec.codec  # on a GPU: float16 back and front
+    assert fast.front_tf32 and fast.back.dtype == fast.front.dtype == engine.codec.dtype  # (the CPU's stay float32)
     exact = BatchEngine(engine, max_batch=1, codec_precision="float32")._codec.codec
-    assert not exact.front_tf32 and exact.back.dtype == engine.codec.dtype == torch.float32
+    assert not exact.front_tf32 and exact.back.dtype == exact.front.dtype == engine.codec.dtype == torch.float32
     with pytest.raises(ValueError, match="codec precision 'float16'"):
         BatchEngine(engine, max_batch=1, codec_precision="float16")
 

@@ -228,8 +228,8 @@ def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeyp
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
-    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, back_dtype=torch.float32, front_tf32=False,
-                            lanes=5)
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, back_dtype=torch.float32,
+                            front_dtype=torch.float32, front_tf32=False, lanes=5)
     with torch.inference_mode():
         pieces.capture()
     assert sorted(pieces.fronts) == sorted(pieces.backs) == [(2, 1), (2, 2), (2, 4), (2, 6), (4, 1), (4, 2), (4, 3)]
@@ -244,14 +244,14 @@ def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_codec_as_served_stays_close_to_float32_on_cuda(monkeypatch):
-    """The default on a GPU (the back in float16, TF32 matmuls in the fronts, graphs captured on
-    a stream of their own) against a whole float32 decode without TF32."""
+    """The default on a GPU (both halves in float16, graphs captured on a stream of their own)
+    against a whole float32 decode without TF32."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
     pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=3)
-    assert pieces.back.dtype == torch.float16 and pieces.captures.tf32
+    assert pieces.back.dtype == pieces.front.dtype == torch.float16
     with torch.inference_mode():
         pieces.capture()
     # Not the stream graphs are captured on by default, as the decode step's are: cuBLAS's workspace goes by stream.

@@ -87,11 +87,12 @@ class CodecWorker:
 
     def __init__(self, engine: Engine, first_piece: int, largest_piece: int, precision: str = "auto", lanes: int = 0):
         self.engine = engine
-        # auto: StreamingCodec's defaults (on a GPU, the back in float16 and TF32 fronts);
-        # float32: the codec's own dtype throughout.
+        # auto: StreamingCodec's defaults (on a GPU, float16 throughout); float32: the codec's
+        # own dtype throughout.
         if precision not in ("auto", "float32"):
             raise ValueError(f"codec precision {precision!r}: choose auto or float32")
-        exact = {"back_dtype": engine.codec.dtype, "front_tf32": False} if precision == "float32" else {}
+        dtype = engine.codec.dtype
+        exact = {"back_dtype": dtype, "front_dtype": dtype, "front_tf32": False} if precision == "float32" else {}
         self.codec = StreamingCodec(engine.codec, first_piece, largest_piece, **exact)
         self.first, self.largest = first_piece, largest_piece
         self.lanes = Lanes()  # sized by `allocate`
