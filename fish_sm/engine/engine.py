@@ -111,8 +111,7 @@ class Engine:
         """Serve LoRA adapters from `source` (`load(name) -> Adapter`), unmerged, any of them per
         request: as many adapter slots of rank up to `rank` as `memory_bytes` holds (at least
         one). After any INT8 quantization and before `compile` and the batching engine: the
-        graphs read the adapter slots, and steps of one row leave the row-product kernels (which
-        read the weights themselves) for the compiled layers."""
+        graphs read the adapter slots, and the kernels installed then add each row's adapter."""
         if self.adapters is not None:
             raise FishSMError("adapters are enabled already")
         if self._batcher is not None:

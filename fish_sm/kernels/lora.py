@@ -1,7 +1,8 @@
 """Unmerged LoRA adapters on a model, several in one batch: every module upstream adapts is
 wrapped (`LoraLinear`, `LoraEmbedding`) to add the low-rank product of the adapter that each
-row of the batch names, gathered from weights stacked over adapter slots (the
-gather-then-multiply of Punica and S-LoRA). Slot 0 holds zeros: rows without an adapter.
+row of the batch names, from weights stacked over adapter slots (`lora_products`: the shrink
+and expand of Punica and S-LoRA, kernels on CUDA). Slot 0 holds zeros: rows without an
+adapter, for which the kernels do no work.
 
 Which slot row b uses is entry b of one index tensor, `AdapterSlots.ids`, shared by every
 wrapper; the engines fill its first B entries before running B rows, and captured CUDA graphs
@@ -15,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from fish_sm.model.dual_ar import DualARTransformer
 from fish_sm.errors import AdapterError
+from fish_sm.kernels.lora_products import lora_expand, lora_shrink
+from fish_sm.model.dual_ar import DualARTransformer
 from fish_sm.model.lora import Adapter, is_embedding, targets
 
 # Most rows one call may run (decode steps and admissions are far fewer).
@@ -59,14 +61,12 @@ class LoraLinear(Adapted):
 
     def delta(self, x: Tensor) -> Tensor:
         """The adapters' part of the output for x [B, ..., in], row b by adapter slot ids[b]."""
-        slots = self.ids[: x.shape[0]]
-        v = torch.einsum("b...i,bri->b...r", x, self.lora_a[slots])
-        b = self.lora_b[slots]
-        parts, rank = b.shape[1], b.shape[-1]
-        if parts == 1:
-            return torch.einsum("b...r,bor->b...o", v, b[:, 0])
-        v = v.unflatten(-1, (parts, rank))
-        return torch.einsum("b...kr,bkor->b...ko", v, b).flatten(-2)
+        rows = x.reshape(-1, x.shape[-1])
+        per_id = rows.shape[0] // max(x.shape[0], 1)
+        ids = self.ids[: x.shape[0]]
+        slots, parts, out, rank = self.lora_b.shape
+        v = lora_shrink(rows, self.lora_a, ids, per_id)
+        return lora_expand(v, self.lora_b.view(slots, parts * out, rank), ids, per_id, parts).view(*x.shape[:-1], -1)
 
 
 class LoraEmbedding(Adapted):
@@ -79,9 +79,10 @@ class LoraEmbedding(Adapted):
     def delta(self, index: Tensor) -> Tensor:
         """The adapters' part of the lookup of index [B, ...], row b by adapter slot ids[b]."""
         n = index.shape[0]
-        slots = self.ids[:n]
-        v = self.lora_a_t[slots.view(n, *([1] * (index.dim() - 1))), index]
-        return torch.einsum("b...r,bdr->b...d", v, self.lora_b[slots])
+        ids = self.ids[:n]
+        v = self.lora_a_t[ids.view(n, *([1] * (index.dim() - 1))), index]  # [B, ..., r]: a lookup in A's columns
+        rows = v.reshape(-1, v.shape[-1]).float()
+        return lora_expand(rows, self.lora_b, ids, rows.shape[0] // max(n, 1), 1).view(*index.shape, -1)
 
 
 def with_delta(module: nn.Module, x: Tensor, y: Tensor) -> Tensor:

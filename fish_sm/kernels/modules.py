@@ -16,10 +16,11 @@ Where a kernel cannot run (the CPU, another dtype), the same arithmetic runs in 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fish_sm.kernels import decode_attention, row_products, split_products
-from fish_sm.kernels.lora import adapted, with_delta
+from fish_sm.kernels.lora import Adapted, with_delta
 from fish_sm.model.dual_ar import Attention, DualARTransformer, TransformerBlock
 from fish_sm.model.layers import RMSNorm
 
@@ -32,6 +33,22 @@ def attached_product(owner: nn.Module, name: str, x: Tensor, norm: RMSNorm | Non
     return row_products.row_product(x, getattr(owner, f"rows_{name}"), getattr(owner, f"rows_{name}_scale"),
                                     None if norm is None else norm.weight, res, prologue,
                                     0.0 if norm is None else norm.eps, getattr(owner, "rows_ahead", {}).get(name))
+
+
+def adapted_product(owner: nn.Module, name: str, module: nn.Module, x: Tensor, norm: RMSNorm | None = None,
+                    res: Tensor | None = None, swiglu: bool = False) -> Tensor:
+    """`attached_product` of `module`'s weight, plus the adapters' part of `module` when it
+    carries adapters: of the same input, normed or gated as the kernel takes it (for rows
+    without an adapter the adapter kernels do no work)."""
+    y = attached_product(owner, name, x, norm=norm, res=res, swiglu=swiglu)
+    if not isinstance(module, Adapted):
+        return y
+    if norm is not None:
+        x = norm(x)
+    elif swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    return y + module.delta(x)
 
 
 def attach_rows(owner: nn.Module, name: str, linear: nn.Linear) -> None:
@@ -161,7 +178,7 @@ class KernelBlock(TransformerBlock):
         residual; norm and w13; SwiGLU, w2 and the residual (not with `cache_only`). Where the
         kernels cannot run, the same arithmetic in torch."""
         a = self.attention
-        qkv = attached_product(self, "wqkv", x, norm=self.attention_norm)
+        qkv = adapted_product(self, "wqkv", a.wqkv, x, norm=self.attention_norm)
         cache = a.kv_cache
         k, v = cache.read(live, 0, 1)
         if row_products.usable(qkv) and decode_attention.usable(qkv.view(1, -1, 1, a.head_dim), k, v):
@@ -174,16 +191,17 @@ class KernelBlock(TransformerBlock):
             y = a.attend(q, k_new, v_new, input_pos, live, mask, 0 if rows is None else rows)
         if cache_only:  # the caller needs only the cache's new entries
             return x
-        h = attached_product(self, "wo", y, res=x)
-        gate_up = attached_product(self, "w13", h, norm=self.ffn_norm)
-        return attached_product(self, "w2", gate_up, res=h, swiglu=True)
+        ff = self.feed_forward
+        h = adapted_product(self, "wo", a.wo, y, res=x)
+        gate_up = adapted_product(self, "w13", ff.w13, h, norm=self.ffn_norm)
+        return adapted_product(self, "w2", ff.w2, gate_up, res=h, swiglu=True)
 
 
 def uses_row_products(model: DualARTransformer) -> bool:
     """The row-product kernels run on this model's device and dtype (CUDA with Triton, bf16)
-    and read every layer's projections and both heads (which carry no adapters: the kernels
-    read the weights themselves)."""
-    return (not adapted(model) and row_products.usable(model.norm.weight) and row_products.readable(model.head)
+    and read every layer's projections and both heads (the base weights of those that carry
+    adapters: their part is added by `adapted_product`)."""
+    return (row_products.usable(model.norm.weight) and row_products.readable(model.head)
             and row_products.readable(model.fast_output)
             and all(KernelBlock.row_products_readable(b) for b in [*model.layers, *model.fast_layers]))
 
@@ -254,10 +272,10 @@ class KernelDualAR(DualARTransformer):
 
     def head_logits(self, x: Tensor) -> Tensor:
         if self.on_rows(x.shape[0]):
-            return attached_product(self, "head", x, norm=self.norm)
+            return adapted_product(self, "head", self.head, x, norm=self.norm)
         return super().head_logits(x)
 
     def fast_logits(self, hidden: Tensor) -> Tensor:
         if self.on_rows(hidden.shape[0]):
-            return attached_product(self, "fast_head", hidden, norm=self.fast_norm)
+            return adapted_product(self, "fast_head", self.fast_output, hidden, norm=self.fast_norm)
         return super().fast_logits(hidden)

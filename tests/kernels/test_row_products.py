@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from fish_sm.engine import Engine
-from fish_sm.kernels import SEQUENTIAL, decode_attention, install, row_products
+from fish_sm.kernels import SEQUENTIAL, AdapterSlots, decode_attention, install, row_products
+from fish_sm.kernels.lora import LoraLinear
 from fish_sm.kernels.modules import KernelBlock
 from fish_sm.model.dual_ar import TransformerBlock
+from fish_sm.model.lora import random_adapter
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and row_products.triton is not None),
                                reason="needs CUDA and Triton")
@@ -60,6 +62,33 @@ def test_a_row_step_reads_torchao_int8_data(tiny_checkpoint):
             assert block.rows_wqkv.dtype == torch.int8 and block.rows_wqkv_scale.shape == (block.rows_wqkv.shape[0],)
             for a, b in zip(want, got):  # torchao's dequantized bf16 product against int8 times scale in float32
                 assert (a.float() - b.float()).abs().max() <= 0.03 * a.float().abs().max()
+
+
+def test_a_row_step_of_an_adapted_model_adds_the_rows_adapter(tiny_checkpoint):
+    """With adapters, a one-row step stays on the row products (over the base weights) and each
+    adapted product gets the row's adapter part from the same normed or gated input: what the
+    adapted layer computes, up to where the residual is added; the heads too. A row without
+    an adapter (slot 0) computes the plain layer's step exactly."""
+    model = Engine.from_pretrained(tiny_checkpoint, device="cpu").model
+    slots = AdapterSlots(model, 2, 8)
+    slots.load(2, random_adapter(model.config, "alto", rank=8, seed=3, scale=0.05))
+    with torch.inference_mode():
+        for slot in (2, 0):
+            slots.set_rows(torch.tensor([slot]))
+            for block, want, got in each_layer_both_ways(model):
+                assert isinstance(block.attention.wqkv, LoraLinear) and block.rows_wqkv.data_ptr() == \
+                    block.attention.wqkv.base.weight.data_ptr()
+                for a, b in zip(want, got):
+                    if slot:
+                        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+                    else:
+                        assert torch.equal(a, b)
+        install(model, SEQUENTIAL, rows=True)
+        slots.set_rows(torch.tensor([2]))
+        x = torch.randn(1, model.norm.weight.shape[0], generator=torch.Generator().manual_seed(4))
+        torch.testing.assert_close(model.head_logits(x), model.head(model.norm(x)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.fast_logits(x), model.fast_output(model.fast_norm(x)), rtol=1e-5, atol=1e-5)
+        assert model.head.delta(model.norm(x)).abs().max() > 0  # the adapter does change the logits
 
 
 def test_a_projection_with_a_bias_is_not_for_the_kernels():
