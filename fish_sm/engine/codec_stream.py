@@ -182,7 +182,7 @@ class FrontState:
             raise FishSMError("the codec's transformer attends over whole utterances: it cannot be streamed in lanes")
         self.post = post
         self.keep = 0 if post is None else post.window - 1
-        weight = next(quantizer.parameters())
+        weight = self.like = next(quantizer.parameters())  # (dtype and device of its state)
         self.dtype = weight.dtype
         # The layout: one piece through the front with a rows state, from which each conv's context shape is read.
         state: dict = {}
@@ -202,7 +202,7 @@ class FrontState:
         caches = []
         for _ in range(len(self.post.layers)):
             cache = KVCache(self.keep)
-            cache.k, cache.v = (next(self.quantizer.parameters()).new_zeros(rows, self.heads, self.keep, self.head_dim)
+            cache.k, cache.v = (self.like.new_zeros(rows, self.heads, self.keep, self.head_dim)
                                 for _ in range(2))
             caches.append(cache)
         return caches
@@ -216,7 +216,7 @@ class FrontState:
     def allocate(self, rows: int) -> None:
         self.contexts.allocate(rows)
         if self.post is not None:
-            p = next(self.quantizer.parameters())
+            p = self.like
             self.rings = [tuple(p.new_zeros(rows * self.keep, self.heads, self.head_dim) for _ in range(2))
                           for _ in range(self.layers)]
             self.offsets = torch.arange(-self.keep, 0, device=p.device)

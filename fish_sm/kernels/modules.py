@@ -16,13 +16,12 @@ Where a kernel cannot run (the CPU, another dtype), the same arithmetic runs in 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fish_sm.kernels import decode_attention, row_products, split_products
 from fish_sm.kernels.lora import Adapted, with_delta
 from fish_sm.model.dual_ar import Attention, DualARTransformer, TransformerBlock
-from fish_sm.model.layers import RMSNorm
+from fish_sm.model.layers import RMSNorm, swiglu as gated  # (`swiglu` is a flag below)
 
 
 def attached_product(owner: nn.Module, name: str, x: Tensor, norm: RMSNorm | None = None, res: Tensor | None = None,
@@ -46,8 +45,7 @@ def adapted_product(owner: nn.Module, name: str, module: nn.Module, x: Tensor, n
     if norm is not None:
         x = norm(x)
     elif swiglu:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
+        x = gated(x)
     return y + module.delta(x)
 
 

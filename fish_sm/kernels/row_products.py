@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fish_sm.kernels.launch import dependent_launch
+from fish_sm.model.layers import swiglu
 
 try:
     import triton
@@ -102,8 +103,7 @@ def reference(x: Tensor, w: Tensor, scale: Optional[Tensor], norm: Optional[Tens
         xf = x.float()
         x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * norm
     elif prologue == SWIGLU:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
+        x = swiglu(x)
     if scale is None:
         y = F.linear(x, w)
     else:

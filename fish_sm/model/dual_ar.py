@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fish_sm.errors import CheckpointError
 from fish_sm.model.config import RESIDUAL_CODEBOOK_SIZE, ModelConfig
-from fish_sm.model.layers import RMSNorm, apply_rope, rope_table
+from fish_sm.model.layers import RMSNorm, apply_rope, rope_table, swiglu
 from fish_sm.model.weights import read_state_dict, strip_prefix, take
 
 
@@ -155,8 +155,7 @@ class FeedForward(nn.Module):
 
     def gated(self, x: Tensor) -> Tensor:
         """w2's input: silu(gate) * up."""
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return swiglu(self.w13(x))
 
 
 class TransformerBlock(nn.Module):

@@ -4,6 +4,7 @@ with upstream's numerics: RoPE tables rounded to bf16, RMSNorm statistics in flo
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -16,6 +17,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()  # the statistics in float32, even for a bf16 model
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up, of w13's output [..., 2 * hidden] (w1's half, then w3's)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rope_table(seq_len: int, head_dim: int, base: float) -> Tensor:

@@ -40,29 +40,17 @@ def conv_2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, dilation: 
     `prepare_2d`); a dilated conv's 2-D weight with its taps along the height runs as
     `_dilated_as_phases`."""
     if x.dim() == 3:
-        if groups > 1 and groups == x.shape[1] == weight.shape[0]:
-            return _depthwise(x, weight, bias, dilation)
         return F.conv1d(x, weight, bias, dilation=dilation, groups=groups)
     if weight.dim() == 3:
         weight = weight[:, :, None]
     if weight.shape[-2:] == (1, 1) and groups == 1:
         # A pointwise conv is a product over channels: over channels-last [B, C, 1, T] memory
-        # ([B, T, C]) a GEMM, which runs 2-3x faster than cuDNN's 1x1 convolution.
+        # ([B, T, C]) one GEMM (cuBLAS's: the back's batches 1-4% faster than with cuDNN's 1x1
+        # convolutions, docs/benchmarks.md "Issue 43").
         return F.linear(x.permute(0, 2, 3, 1), weight.flatten(1), bias).permute(0, 3, 1, 2)
     if dilation > 1 and weight.shape[-1] == 1 and weight.shape[-2] > 1:
         return _dilated_as_phases(x, weight, bias, dilation, groups)
     return F.conv2d(x, weight, bias, dilation=(1, dilation), groups=groups)
-
-
-def _depthwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], dilation: int) -> Tensor:
-    """A depthwise conv over [B, C, T] as its taps' shifted products summed: for the few steps
-    a streamed piece has, cuDNN's grouped kernels cost far more than these elementwise ops."""
-    taps = weight.shape[-1]
-    n = x.shape[-1] - (taps - 1) * dilation
-    y = x[..., :n] * weight[:, 0, 0, None]
-    for k in range(1, taps):
-        y = y + x[..., k * dilation : k * dilation + n] * weight[:, 0, k, None]
-    return y if bias is None else y + bias[:, None]
 
 
 def _dilated_as_phases(x: Tensor, weight: Tensor, bias: Optional[Tensor], dilation: int, groups: int) -> Tensor:
