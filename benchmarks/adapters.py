@@ -6,9 +6,12 @@
 - the first request of an adapter not yet in GPU memory: time to first audio against the same
   request once the adapter is resident (the read from local disk and the copy are the difference);
 - aggregate frames/s of S streams with no adapter on an engine without adapters (the baseline),
-  then S streams with no adapter and S streams over S different adapters on an engine with them.
+  then S streams with no adapter and S streams over D different adapters (each D-th stream the
+  same one) on an engine with them, for each level S (and its D) given;
+- one stream alone, without an adapter on the engine without adapters and with one on the
+  engine with them (a step of one row: the row-product kernels).
 
-    python benchmarks/adapters.py CHECKPOINT [--adapters 128] [--rank 8] [--streams 32] [--frames 300]
+    python benchmarks/adapters.py CHECKPOINT [--adapters 128] [--rank 8] [--streams 32[,256]] [--distinct 32[,64]] [--frames 300]
 
 Prints one JSON object (also written to --out/adapters.json).
 """
@@ -82,7 +85,8 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--adapters", type=int, default=128)
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--streams", default="32", help="levels, comma-separated: the engines hold the largest")
+    ap.add_argument("--distinct", default="", help="different adapters over the streams of each level (default: one each)")
     ap.add_argument("--frames", type=int, default=300)
     ap.add_argument("--memory-gib", type=float, default=2.0)
     ap.add_argument("--max-seq-len", type=int, default=1024)
@@ -90,8 +94,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a quick check of the script on a tiny checkpoint")
     args = ap.parse_args()
     out: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                 "rank": args.rank, "streams": args.streams, "frames": args.frames}
-    slots = args.streams
+                 "rank": args.rank, "frames": args.frames}
+    levels = [int(v) for v in args.streams.split(",")]
+    distinct = [int(v) for v in args.distinct.split(",")] if args.distinct else levels
+    if len(distinct) != len(levels) or max(distinct) > args.adapters or any(d > s for d, s in zip(distinct, levels)):
+        ap.error("--distinct: one count per level, each at most its streams and --adapters")
+    slots = max(levels)
+    out["levels"] = {s: {"distinct": d} for s, d in zip(levels, distinct)}
 
     # The baseline: an engine without adapters.
     t0 = time.perf_counter()
@@ -100,8 +109,10 @@ def main() -> None:
     capture_remaining(plain)
     out["plain_compile_s"] = round(time.perf_counter() - t0, 1)
     with plain:
-        throughput(plain, [None] * args.streams, 40)
-        out["plain_frames_per_s"] = round(throughput(plain, [None] * args.streams, args.frames), 1)
+        throughput(plain, [None] * slots, 40)
+        for s in levels:
+            out["levels"][s]["plain_frames_per_s"] = round(throughput(plain, [None] * s, args.frames), 1)
+        out["plain_one_stream_frames_per_s"] = round(throughput(plain, [None], args.frames), 1)
     config = plain.engine.config
     del plain
     gc.collect()
@@ -130,7 +141,7 @@ def main() -> None:
     capture_remaining(batcher)
     out["adapters_compile_s"] = round(time.perf_counter() - t0, 1)
     with batcher:
-        throughput(batcher, [None] * args.streams, 40)
+        throughput(batcher, [None] * slots, 40)
         # First requests of adapters not yet resident, against the same once resident.
         cold, warm = [], []
         for i, name in enumerate(names[:8]):
@@ -144,23 +155,25 @@ def main() -> None:
         out["added_ms_p50"] = round(1e3 * (statistics.median(cold) - statistics.median(warm)), 1)
         out["load_ms"] = {n: round(1e3 * s, 1) for n, s in list(cache.load_seconds.items())[:8]}
         # Throughput: no adapter, then one adapter per stream (all resident after a first pass).
-        mixed = names[: args.streams]
-        throughput(batcher, mixed, 40)
-        out["adapters_engine_no_adapter_frames_per_s"] = round(throughput(batcher, [None] * args.streams, args.frames), 1)
-        out["adapters_engine_distinct_adapters_frames_per_s"] = round(throughput(batcher, mixed, args.frames), 1)
+        for s, d in zip(levels, distinct):
+            level, mixed = out["levels"][s], [names[i % d] for i in range(s)]
+            throughput(batcher, mixed, 40)
+            level["no_adapter_frames_per_s"] = round(throughput(batcher, [None] * s, args.frames), 1)
+            level["adapters_frames_per_s"] = round(throughput(batcher, mixed, args.frames), 1)
+            level["ratio_adapters_vs_plain"] = round(level["adapters_frames_per_s"] / level["plain_frames_per_s"], 3)
+            level["ratio_no_adapter_vs_plain"] = round(level["no_adapter_frames_per_s"] / level["plain_frames_per_s"], 3)
+        out["one_stream_with_adapter_frames_per_s"] = round(throughput(batcher, names[:1], args.frames), 1)
         # Every registered adapter served, a batch of streams at a time.
         t0 = time.perf_counter()
-        for start in range(0, len(names), args.streams):
-            throughput(batcher, names[start : start + args.streams], 8)
+        for start in range(0, len(names), slots):
+            throughput(batcher, names[start : start + slots], 8)
         out["served_all_s"] = round(time.perf_counter() - t0, 1)
         stats = engine.adapter_stats()
         out["registered"] = len(names)
         out["resident_after"] = len(stats["resident"])
         out["loads"] = stats["loads"]
-    out["ratio_distinct_vs_plain"] = round(out["adapters_engine_distinct_adapters_frames_per_s"]
-                                           / out["plain_frames_per_s"], 3)
-    out["ratio_no_adapter_vs_plain"] = round(out["adapters_engine_no_adapter_frames_per_s"]
-                                             / out["plain_frames_per_s"], 3)
+    out["ratio_one_stream_adapter_vs_plain"] = round(out["one_stream_with_adapter_frames_per_s"]
+                                                     / out["plain_one_stream_frames_per_s"], 3)
     text = json.dumps(out, indent=1)
     print(text)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -262,12 +262,14 @@ class GraphedStep:
     row `scratch_row`, so graphs can be captured while other rows hold live requests.
     Outputs are reused by the next replay (callers clone them). `compile_options`: keyword
     arguments of every `kernels.compile_decode` call (inductor's options for the layers and
-    pickers)."""
+    pickers). A model carrying LoRA adapter slots (`adapters`) gets each decode step twice: with
+    the adapters' products, and without them (`AdapterSlots.without`) for steps none of whose
+    rows has an adapter, which then cost what they cost on a model without adapters."""
 
     def __init__(self, model: DualARTransformer, state: SlotState, scratch_row: int, max_batch: int = 1,
-                 compile_options: Mapping = MappingProxyType({})):
+                 compile_options: Mapping = MappingProxyType({}), adapters: kernels.AdapterSlots | None = None):
         dev = model.device
-        self.model, self.state = model, state
+        self.model, self.state, self.adapters = model, state, adapters
         # Inductor fuses the layers' pointwise work and INT8 dequantization into few kernels
         # (or, one row, our kernels); the graphs then replay those kernels.
         mode = kernels.BATCHING if max_batch > 1 else kernels.SEQUENTIAL
@@ -307,6 +309,7 @@ class GraphedStep:
         self.pool = torch.cuda.graph_pool_handle()
         # (batch, bucket): decode steps; ("first", batch): first frames
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.without_adapters: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # (batch, bucket), as `adapters` says
         self.admissions: dict[tuple[int, int], tuple] = {}  # (batch, width) -> graph, inputs, outputs
         self.continuations: dict[tuple[int, int, int], tuple] = {}  # (batch, width, live): after a prefix
         self.timings: dict[str, float] = {}  # capture seconds by kind (capture_all)
@@ -331,8 +334,11 @@ class GraphedStep:
         ints[2].fill_(bucket - 1)  # a valid position; what it writes is rewritten when used
         floats.fill_(1.0)
         key_pos, pickers = self.model.positions[:bucket], self.pickers_for(batch)
-        self.graphs[(batch, bucket)] = self._capture(
-            lambda: decode_slots(self.model, self.state, ints, floats, key_pos, pickers), warm_up)
+        step = lambda: decode_slots(self.model, self.state, ints, floats, key_pos, pickers)  # noqa: E731
+        self.graphs[(batch, bucket)] = self._capture(step, warm_up)
+        if self.adapters is not None:
+            with self.adapters.without():
+                self.without_adapters[(batch, bucket)] = self._capture(step, warm_up)
 
     def pickers_for(self, batch: int) -> Pickers:
         return self.pickers_one if batch == 1 else self.pickers_many
@@ -447,9 +453,10 @@ class GraphedStep:
             out = run()
         return graph, out
 
-    def replay(self, batch: int, bucket: int) -> Tensor:
-        """The (batch, bucket) decode step on whatever its inputs (`inputs`) hold: [batch, 1 + C]."""
-        graph, out = self.graphs[(batch, bucket)]
+    def replay(self, batch: int, bucket: int, adapters: bool = True) -> Tensor:
+        """The (batch, bucket) decode step on whatever its inputs (`inputs`) hold: [batch, 1 + C].
+        `adapters`: some row has an adapter (if none has, the graph without their products)."""
+        graph, out = (self.graphs if adapters or self.adapters is None else self.without_adapters)[(batch, bucket)]
         graph.replay()
         return out
 

@@ -2,7 +2,9 @@
 wrapped (`LoraLinear`, `LoraEmbedding`) to add the low-rank product of the adapter that each
 row of the batch names, from weights stacked over adapter slots (`lora_products`: the shrink
 and expand of Punica and S-LoRA, kernels on CUDA). Slot 0 holds zeros: rows without an
-adapter, for which the kernels do no work.
+adapter, for which the kernels do no work. While `AdapterSlots.without()` holds, the wrappers
+add nothing: the engines capture a second set of decode graphs that way, for steps none of
+whose rows has an adapter, which then run exactly the model's own products.
 
 Which slot row b uses is entry b of one index tensor, `AdapterSlots.ids`, shared by every
 wrapper; the engines fill its first B entries before running B rows, and captured CUDA graphs
@@ -13,11 +15,13 @@ two halves, the heads keep only the rows that may be chosen.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
 from fish_sm.errors import AdapterError
-from fish_sm.kernels.lora_products import lora_expand, lora_shrink
+from fish_sm.kernels.lora_products import lora_delta, lora_lookup
 from fish_sm.model.dual_ar import DualARTransformer
 from fish_sm.model.lora import Adapter, is_embedding, targets
 
@@ -25,13 +29,22 @@ from fish_sm.model.lora import Adapter, is_embedding, targets
 MAX_ROWS = 4096
 
 
+class Switch:
+    """Whether the wrappers add the adapters' part: one object shared by all of a model's
+    wrappers. Compiled code reads it as a constant (a guard), so each setting compiles and
+    captures code of its own."""
+
+    def __init__(self):
+        self.on = True
+
+
 class Adapted(nn.Module):
     """A module (`base`) plus each row's adapter (`delta`), with the weights stacked over slots as
-    buffers and the rows' slots in `ids`."""
+    buffers, the rows' slots in `ids`, and whether to add them at all in `switch`."""
 
-    def __init__(self, base: nn.Module, ids: Tensor, **stacked: Tensor):
+    def __init__(self, base: nn.Module, ids: Tensor, switch: Switch, **stacked: Tensor):
         super().__init__()
-        self.base = base
+        self.base, self.switch = base, switch
         for name, t in stacked.items():
             self.register_buffer(name, t, persistent=False)
         self.register_buffer("ids", ids, persistent=False)
@@ -40,8 +53,14 @@ class Adapted(nn.Module):
     def weight(self) -> Tensor:  # what kernels that read the weight directly see (the base's)
         return self.base.weight
 
+    @property
+    def adds(self) -> bool:
+        """The adapters' part is added (not within `AdapterSlots.without()`)."""
+        return self.switch.on
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.base(x) + self.delta(x)
+        y = self.base(x)
+        return y + self.delta(x) if self.adds else y
 
     def delta(self, x: Tensor) -> Tensor:
         raise NotImplementedError
@@ -52,43 +71,48 @@ class LoraLinear(Adapted):
     parts·r, in], `lora_b` [slots, parts, out/parts, r]: a product of `parts` stacked halves (w13:
     w1's, then w3's) has one rank-r pair per half."""
 
-    def __init__(self, base: nn.Module, a: Tensor, b: Tensor, ids: Tensor):
-        super().__init__(base, ids, lora_a=a, lora_b=b)
+    def __init__(self, base: nn.Module, a: Tensor, b: Tensor, ids: Tensor, switch: Switch):
+        super().__init__(base, ids, switch, lora_a=a, lora_b=b)
 
     @property
     def bias(self):
         return self.base.bias
+
+    @property
+    def parts(self) -> int:
+        return self.lora_b.shape[1]
+
+    def stacked_b(self) -> Tensor:
+        """lora_b as [slots, out, r], the halves one after the other."""
+        slots, parts, out, rank = self.lora_b.shape
+        return self.lora_b.view(slots, parts * out, rank)
 
     def delta(self, x: Tensor) -> Tensor:
         """The adapters' part of the output for x [B, ..., in], row b by adapter slot ids[b]."""
         rows = x.reshape(-1, x.shape[-1])
         per_id = rows.shape[0] // max(x.shape[0], 1)
         ids = self.ids[: x.shape[0]]
-        slots, parts, out, rank = self.lora_b.shape
-        v = lora_shrink(rows, self.lora_a, ids, per_id)
-        return lora_expand(v, self.lora_b.view(slots, parts * out, rank), ids, per_id, parts).view(*x.shape[:-1], -1)
+        return lora_delta(rows, self.lora_a, self.stacked_b(), ids, per_id, self.parts).view(*x.shape[:-1], -1)
 
 
 class LoraEmbedding(Adapted):
     """An embedding plus each row's adapter: lookup t gains B·A[:, t] (B scaled by alpha/r).
     `lora_a_t` [slots, num, r] (A transposed, so a lookup gathers rows), `lora_b` [slots, dim, r]."""
 
-    def __init__(self, base: nn.Module, a_t: Tensor, b: Tensor, ids: Tensor):
-        super().__init__(base, ids, lora_a_t=a_t, lora_b=b)
+    def __init__(self, base: nn.Module, a_t: Tensor, b: Tensor, ids: Tensor, switch: Switch):
+        super().__init__(base, ids, switch, lora_a_t=a_t, lora_b=b)
 
     def delta(self, index: Tensor) -> Tensor:
         """The adapters' part of the lookup of index [B, ...], row b by adapter slot ids[b]."""
         n = index.shape[0]
-        ids = self.ids[:n]
-        v = self.lora_a_t[ids.view(n, *([1] * (index.dim() - 1))), index]  # [B, ..., r]: a lookup in A's columns
-        rows = v.reshape(-1, v.shape[-1]).float()
-        return lora_expand(rows, self.lora_b, ids, rows.shape[0] // max(n, 1), 1).view(*index.shape, -1)
+        flat = index.reshape(-1)
+        return lora_lookup(flat, self.lora_a_t, self.lora_b, self.ids[:n], flat.shape[0] // max(n, 1)).view(*index.shape, -1)
 
 
 def with_delta(module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     """y, a product of `module`'s weight computed without it (a kernel of our own), plus the
-    adapters' part when the module carries adapters."""
-    return y + module.delta(x) if isinstance(module, Adapted) else y
+    adapters' part when the module carries adapters that are added."""
+    return y + module.delta(x) if isinstance(module, Adapted) and module.adds else y
 
 
 def adapted(model: DualARTransformer) -> bool:
@@ -106,6 +130,7 @@ class AdapterSlots:
         self.model, self.slots, self.rank = model, slots, rank
         dev, dtype = model.device, model.dtype
         self.ids = torch.zeros(MAX_ROWS, dtype=torch.long, device=dev)
+        self.switch = Switch()
         self._head_rows = model.head_rows().to(dev)
         self.modules: dict[str, nn.Module] = {}  # upstream target -> its wrapper
         n = slots + 1
@@ -117,10 +142,10 @@ class AdapterSlots:
                 continue
             if is_embedding(target):
                 wrapper = LoraEmbedding(base, torch.zeros(n, first, rank, dtype=dtype, device=dev),
-                                        torch.zeros(n, second, rank, dtype=dtype, device=dev), self.ids)
+                                        torch.zeros(n, second, rank, dtype=dtype, device=dev), self.ids, self.switch)
             else:
                 wrapper = LoraLinear(base, torch.zeros(n, parts * rank, first, dtype=dtype, device=dev),
-                                     torch.zeros(n, parts, second, rank, dtype=dtype, device=dev), self.ids)
+                                     torch.zeros(n, parts, second, rank, dtype=dtype, device=dev), self.ids, self.switch)
             setattr(owner, name, wrapper)
             self.modules[target] = wrapper
         self.bytes_per_slot = self.slot_bytes(model, rank)
@@ -174,6 +199,16 @@ class AdapterSlots:
             for t in module.buffers():
                 if t is not self.ids:
                     t[slot].zero_()
+
+    @contextlib.contextmanager
+    def without(self):
+        """Within it, the wrappers add nothing: code compiled and graphs captured then are the
+        model's own, for steps none of whose rows has an adapter."""
+        self.switch.on = False
+        try:
+            yield
+        finally:
+            self.switch.on = True
 
     def set_rows(self, slots: Tensor) -> None:
         """Rows 0..len-1 of the next calls use these adapter slots (a tensor on any device)."""

@@ -1,8 +1,10 @@
 """The products of a decode step of one row as matrix-vector kernels of our own, one per
 product with the work around it fused in: the RMSNorm before wqkv and w13 (each program
 recomputes the row's statistics instead of a kernel of its own), the SwiGLU before w2, the
-residual add after wo and w2; over bf16 weights, or int8 ones with a scale per output row
-(torchao's weight-only INT8 data, read as it is, turned into floats through the mantissa).
+residual add after wo and w2, and a LoRA adapter's low-rank part (each program sums the row's R
+numbers of A beside its own products, from the same input blocks, then takes its rows' share of
+B against them: A is small and stays in cache); over bf16 weights, or int8 ones with a scale per output row (torchao's
+weight-only INT8 data, read as it is, turned into floats through the mantissa).
 
 Inductor would make a statistics kernel for every norm and read int8 weights no faster than
 bf16 ones, where at one row a kernel's fixed costs are as large as its memory time. Each
@@ -16,6 +18,7 @@ arithmetic in torch, rounding where the kernel rounds, which is where the model 
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 from typing import Optional
 
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fish_sm.kernels import lora_products
 from fish_sm.kernels.launch import dependent_launch
 from fish_sm.model.layers import swiglu
 
@@ -50,6 +54,10 @@ LAUNCH_CONFIGS = MappingProxyType({
     (4096, 1024, True): (16, 1024, 4), (1024, 2048, True): (2, 2048, 4), (6144, 1024, True): (4, 1024, 4),
     (1024, 3072, True): (4, 1024, 8), (2048, 1024, True): (16, 1024, 4), (1024, 1024, True): (4, 1024, 4),
 })
+
+
+# The most elements of A (rank x inputs) a program holds at once, beside its own block of weights.
+LORA_BLOCK = 8192
 
 
 def launch_config(n: int, k: int, int8: bool, configs=LAUNCH_CONFIGS) -> tuple[int, int, int]:
@@ -80,25 +88,30 @@ def readable(linear: torch.nn.Linear) -> bool:
 
 @torch.library.custom_op("fish_sm::row_product", mutates_args=())
 def row_product(x: Tensor, w: Tensor, scale: Optional[Tensor], norm: Optional[Tensor], res: Optional[Tensor],
-                prologue: int, eps: float, ahead: Optional[Tensor] = None) -> Tensor:
+                prologue: int, eps: float, ahead: Optional[Tensor] = None, lora_a: Optional[Tensor] = None,
+                lora_b: Optional[Tensor] = None, lora_ids: Optional[Tensor] = None, parts: int = 1) -> Tensor:
     """x [..., K] (one row; [..., 2K] for SwiGLU: gate then up) times w [N, K]ᵀ, times `scale`
     [N] if int8: [..., N]. `prologue` NORM: RMSNorm(x) * `norm` first; SWIGLU: silu(gate) * up
     first. Plus `res` [..., N] if given. `ahead`: weights the kernel streams into L2 for a
-    later product (a hint: on Hopper and later, where they can be taken in even shares)."""
+    later product (a hint: on Hopper and later, where they can be taken in even shares).
+    With `lora_a` [slots, parts·R, K], `lora_b` [slots, N, R] and `lora_ids` (the row's adapter
+    slot first), plus the adapter's part of the same input, as `lora_products.lora_delta` gives
+    it, added last; nothing for slot 0."""
     if usable(x):
-        return _launch(x, w, scale, norm, res, prologue, eps, ahead)
-    return reference(x, w, scale, norm, res, prologue, eps)
+        return _launch(x, w, scale, norm, res, prologue, eps, ahead, lora_a, lora_b, lora_ids, parts)
+    return reference(x, w, scale, norm, res, prologue, eps, lora_a, lora_b, lora_ids, parts)
 
 
 @row_product.register_fake
-def _(x, w, scale, norm, res, prologue, eps, ahead=None):
+def _(x, w, scale, norm, res, prologue, eps, ahead=None, lora_a=None, lora_b=None, lora_ids=None, parts=1):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 def reference(x: Tensor, w: Tensor, scale: Optional[Tensor], norm: Optional[Tensor], res: Optional[Tensor],
-              prologue: int, eps: float) -> Tensor:
+              prologue: int, eps: float, lora_a: Optional[Tensor] = None, lora_b: Optional[Tensor] = None,
+              lora_ids: Optional[Tensor] = None, parts: int = 1) -> Tensor:
     """The kernel's arithmetic in torch: the model's for the same weights (RMSNorm's statistics
-    in float32, products rounded to the activations' dtype)."""
+    in float32, products rounded to the activations' dtype), and the adapters' as theirs."""
     if prologue == NORM:
         xf = x.float()
         x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * norm
@@ -108,22 +121,36 @@ def reference(x: Tensor, w: Tensor, scale: Optional[Tensor], norm: Optional[Tens
         y = F.linear(x, w)
     else:
         y = (F.linear(x.float(), w.float()) * scale).to(x.dtype)
-    return y if res is None else res + y
+    y = y if res is None else res + y
+    if lora_a is None:
+        return y
+    rows = x.reshape(-1, x.shape[-1])
+    ids = lora_ids[:1]
+    v = lora_products.shrink_reference(rows, lora_a, ids, rows.shape[0])
+    return y + lora_products.expand_reference(v, lora_b, ids, rows.shape[0], parts).view(y.shape)
 
 
-def _launch(x, w, scale, norm, res, prologue, eps, ahead=None):
+def _launch(x, w, scale, norm, res, prologue, eps, ahead=None, lora_a=None, lora_b=None, lora_ids=None, parts=1):
     n, k = w.shape
     flat = x.reshape(-1)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = launch_config(n, k, scale is not None)
+    lora = lora_a is not None
+    rank = lora_b.shape[-1] if lora else 1
+    block_r = triton.next_power_of_2(rank)
+    if lora:  # a program's rows lie in one half (w13's w1 or w3 part); A's block of rows fits in registers
+        block_n = math.gcd(block_n, n // parts)
+        block_k = min(block_k, max(32, LORA_BLOCK // block_r))
     programs = triton.cdiv(n, block_n)
     pdl, options = dependent_launch(x.device)
     bulk = ahead is not None and _bulk_prefetchable(ahead, programs)
     _product[(programs,)](
         flat, norm if norm is not None else flat, w, scale if scale is not None else flat,
         res.reshape(-1) if res is not None else flat, out, n, eps,
-        ahead if bulk else flat, ahead.nbytes if bulk else 0, PREFETCH=bulk,
-        K=k, PROLOGUE=prologue, SCALED=scale is not None, RESIDUAL=res is not None,
+        ahead if bulk else flat, ahead.nbytes if bulk else 0,
+        lora_a.contiguous() if lora else flat, lora_b.contiguous() if lora else flat, lora_ids if lora else flat,
+        n // parts, rank, PREFETCH=bulk, K=k, PROLOGUE=prologue, SCALED=scale is not None,
+        RESIDUAL=res is not None, LORA=lora, BLOCK_R=block_r,
         BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
     return out.view(*x.shape[:-1], n)
 
@@ -183,11 +210,13 @@ if triton is not None:
 
     @triton.jit
     def _product(x_ptr, norm_ptr, w_ptr, scale_ptr, res_ptr, out_ptr, N, eps, ahead_ptr, ahead_bytes,
-                 PREFETCH: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, SCALED: tl.constexpr,
-                 RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """BLOCK_N output rows: out[n] = sum_k a[k] w[n, k] (* scale[n]) (+ res[n]). With
-        PREFETCH, first a share of the `ahead_bytes` at `ahead_ptr` (the next product's weights)
-        into L2."""
+                 la_ptr, lb_ptr, ids_ptr, PER_PART, R, PREFETCH: tl.constexpr, K: tl.constexpr,
+                 PROLOGUE: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr, LORA: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """BLOCK_N output rows: out[n] = sum_k a[k] w[n, k] (* scale[n]) (+ res[n]) (+ the
+        adapter's sum_r B[n, r] sum_k A[r, k] a[k], of the slot ids[0], over the R rows of A
+        of n's half). With PREFETCH, first a share of the `ahead_bytes` at `ahead_ptr` (the next
+        product's weights) into L2."""
         if PREFETCH:
             _prefetch_share(ahead_ptr, ahead_bytes)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,6 +233,14 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()  # the kernel before has finished and its writes are visible
             tl.extra.cuda.gdc_launch_dependents()
+        r = tl.arange(0, BLOCK_R)
+        lora_v = tl.zeros([BLOCK_R], dtype=tl.float32)
+        if LORA:  # the slot, and the rows' share of B, before the products (which A's rows join)
+            slot = tl.load(ids_ptr).to(tl.int64)
+            r_live = (r < R) & (slot != 0)
+            a_rows = la_ptr + (slot * (N // PER_PART) * R + tl.program_id(0) * BLOCK_N // PER_PART * R + r) * K
+            lb = tl.load(lb_ptr + (slot * N + rows[:, None]) * R + r[None, :],
+                         mask=rows_live[:, None] & r_live[None, :], other=0.0)
         inv = 0.0
         if PROLOGUE == 1:
             sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -220,12 +257,19 @@ if triton is not None:
                 w = tl.load(w_ptr + rows[:, None] * K + ks[None, :], mask=rows_live[:, None] & live[None, :], other=0)
                 if PROLOGUE == 1:
                     nw = tl.load(norm_ptr + ks, mask=live, other=0.0)
+            if LORA:
+                la = tl.load(a_rows[:, None] + ks[None, :], mask=r_live[:, None] & live[None, :], other=0.0)
             a = _activation(x_ptr, nw, ks, live, inv, K, PROLOGUE)
             acc += _as_float(w, SCALED) * a[None, :]
+            if LORA:
+                lora_v += tl.sum(la.to(tl.float32) * a[None, :], 1)
         y = tl.sum(acc, 1)
         if SCALED:
             y = y * scale
         y = y.to(tl.bfloat16)
         if RESIDUAL:
             y = (y.to(tl.float32) + tl.load(res_ptr + rows, mask=rows_live, other=0.0).to(tl.float32)).to(tl.bfloat16)
+        if LORA:  # rounded as `lora_delta` rounds, then added as the model adds it
+            delta = tl.sum(lb.to(tl.float32) * lora_v[None, :], 1).to(tl.bfloat16)
+            y = (y.to(tl.float32) + delta.to(tl.float32)).to(tl.bfloat16)
         tl.store(out_ptr + rows, y, mask=rows_live)

@@ -177,6 +177,38 @@ def test_on_the_gpu_unmerged_rows_equal_merged_models_and_graphs_read_each_rows_
         codes = [t.result().codes for t in tickets]
     assert torch.equal(codes[1], codes[2]) and torch.equal(codes[0], codes[5])
     assert len({tuple(c.flatten().tolist()) for c in (codes[0], codes[1], codes[3], codes[4])}) == 4
+    # Steps none of whose rows has an adapter replay the graphs without the adapters' products:
+    # the codes of an engine without adapters, bit for bit.
+    assert batcher.runner.captured.without_adapters.keys() == {k for k in batcher.runner.captured.graphs if k[0] != "first"}
+    plain = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cuda"), max_batch=8, forced_lengths=True,
+                        horizon_s=0)
+    plain.compile()
+    job = lambda seed: Job("Same words.", params=SamplingParams(seed=seed, max_new_tokens=24))  # noqa: E731
+    with plain:
+        want = [t.result().codes for t in [plain.submit(job(s)) for s in range(3)]]
+    with batcher:
+        got = [t.result().codes for t in [batcher.submit(job(s)) for s in range(3)]]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_without_the_adapters_an_adapted_model_is_its_base_model(tiny_checkpoint, adapters):
+    """`AdapterSlots.without()`, as the graphs for steps without adapters are captured: the
+    adapted model computes its base model's outputs exactly, whatever slots the rows name, and
+    adds the adapters again after."""
+    engine, _ = adapted_engine(tiny_checkpoint, adapters, slots=3)
+    base = Engine.from_pretrained(tiny_checkpoint, device="cpu").model
+    with torch.no_grad():
+        base.head.weight[-1] *= 8
+    prompt = torch.randint(0, 500, (2, 1 + engine.config.num_codebooks, 12), generator=torch.Generator().manual_seed(0))
+    model, slots = engine.model, engine.adapters.slots
+    with torch.inference_mode():
+        for m in (model, base):
+            m.setup_caches(2, 32)
+        slots.set_rows(torch.tensor([engine.adapters.acquire("alto"), engine.adapters.acquire("bass")]))
+        want = base.forward_slow(prompt, base.positions[:12], 12)[0]
+        with slots.without():
+            assert torch.equal(model.forward_slow(prompt, model.positions[:12], 12)[0], want)
+        assert not torch.allclose(model.forward_slow(prompt, model.positions[:12], 12)[0], want)
 
 
 def test_compiled_layers_with_rows_of_different_adapters_follow_the_eager_ones(tiny_checkpoint, adapters):

@@ -1,12 +1,12 @@
-"""The adapters' shrink and expand (`fish_sm.kernels.lora_products`): their torch path against the
-plain per-row definition on the CPU, exactly in float32; on a GPU, the Triton kernels against
-that path for the ranks served and mixed batches, and replayed from a CUDA graph with a new
-mix of slots."""
+"""The adapters' products (`fish_sm.kernels.lora_products`: the shrink and expand as one kernel,
+and an embedding's lookup): their torch path against the plain per-row definition on the CPU, exactly
+in float32; on a GPU, the Triton kernels against that path for the ranks served and mixed
+batches, and replayed from a CUDA graph with a new mix of slots."""
 import pytest
 import torch
 
 from fish_sm.kernels import lora_products
-from fish_sm.kernels.lora_products import lora_expand, lora_shrink
+from fish_sm.kernels.lora_products import expand_reference, lora_delta, lora_lookup, shrink_reference
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and lora_products.triton is not None),
                                reason="needs CUDA and Triton")
@@ -42,18 +42,38 @@ def test_the_torch_path_is_the_per_row_definition(mix, per_id, parts):
     ids = torch.tensor(mix)
     a, b = _weights(5, 8, parts, 200, 2 * 150)
     x = torch.randn(len(mix) * per_id, 200, generator=torch.Generator().manual_seed(1))
-    v = lora_shrink(x, a, ids, per_id)
+    v = shrink_reference(x, a, ids, per_id)
     assert v.dtype == torch.float32 and v.shape == (x.shape[0], parts * 8)
-    y = lora_expand(v, b, ids, per_id, parts)
-    torch.testing.assert_close(y, _per_row(x, a, b, ids, per_id, parts), rtol=1e-5, atol=1e-5)
-    rows_without = torch.tensor(mix).repeat_interleave(per_id) == 0
-    assert not y[rows_without].any()
+    want = _per_row(x, a, b, ids, per_id, parts)
+    for y in (expand_reference(v, b, ids, per_id, parts), lora_delta(x, a, b, ids, per_id, parts)):
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+        rows_without = torch.tensor(mix).repeat_interleave(per_id) == 0
+        assert not y[rows_without].any()
+
+
+def _per_lookup(index, a_t, b, ids, per_id):
+    """Each row on its own: its slot's B against A's column for its index."""
+    return torch.stack([b[int(ids[n // per_id])].float() @ a_t[int(ids[n // per_id]), int(index[n])].float()
+                        for n in range(index.shape[0])])
+
+
+@pytest.mark.parametrize("per_id", [1, 3])
+@pytest.mark.parametrize("mix", MIXES)
+def test_a_lookups_torch_path_is_the_per_row_definition(mix, per_id):
+    ids = torch.tensor(mix)
+    a, b = _weights(5, 8, 1, 40, 64)
+    a_t = a.transpose(1, 2).contiguous()  # [slots, num, r], as `LoraEmbedding` keeps A
+    index = torch.randint(0, 40, (len(mix) * per_id,), generator=torch.Generator().manual_seed(2))
+    y = lora_lookup(index, a_t, b, ids, per_id)
+    torch.testing.assert_close(y, _per_lookup(index, a_t, b, ids, per_id), rtol=1e-5, atol=1e-5)
+    assert not y[torch.tensor(mix).repeat_interleave(per_id) == 0].any()
 
 
 def test_no_rows_give_an_empty_product():
     a, b = _weights(2, 4, 1, 16, 8)
-    v = lora_shrink(torch.zeros(0, 16), a, torch.zeros(0, dtype=torch.long), 1)
-    assert v.shape == (0, 4) and lora_expand(v, b, torch.zeros(0, dtype=torch.long), 1, 1).shape == (0, 8)
+    none = torch.zeros(0, dtype=torch.long)
+    assert lora_delta(torch.zeros(0, 16), a, b, none, 1, 1).shape == (0, 8)
+    assert lora_lookup(torch.zeros(0, dtype=torch.long), a.transpose(1, 2), b, none, 1).shape == (0, 8)
 
 
 @needs_gpu
@@ -67,14 +87,15 @@ def test_the_kernels_give_the_torch_paths_products_on_cuda(rank, dtype):
                 ids = torch.tensor(mix, device="cuda")
                 a, b = _weights(6, rank, parts, 1024, 2 * 1536, dtype, "cuda", seed=rank)
                 x = torch.randn(len(mix) * per_id, 1024, device="cuda").to(dtype)
-                v = lora_products.launch_shrink(x, a, ids, per_id)
-                v_ref = torch.einsum("ni,nri->nr", x.float(), a[ids.repeat_interleave(per_id)].float())
-                torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-3)
-                y = lora_products.launch_expand(v_ref, b, ids, per_id, parts)
-                w = b[ids.repeat_interleave(per_id)].float().view(len(x), parts, -1, rank)
-                y_ref = torch.einsum("nkr,nkor->nko", v_ref.view(len(x), parts, rank), w).reshape(len(x), -1).to(dtype)
+                v_ref = shrink_reference(x, a, ids, per_id)
+                y_ref = expand_reference(v_ref, b, ids, per_id, parts)
                 tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-1}
-                torch.testing.assert_close(y, y_ref, **tol)
+                torch.testing.assert_close(lora_products.launch_delta(x, a, b, ids, per_id, parts), y_ref, **tol)
+                if parts == 1:
+                    a_t = a.transpose(1, 2).contiguous()
+                    index = torch.randint(0, 1024, (len(mix) * per_id,), device="cuda")
+                    want = expand_reference(a_t[ids.repeat_interleave(per_id), index].float(), b, ids, per_id, 1)
+                    torch.testing.assert_close(lora_products.launch_lookup(index, a_t, b, ids, per_id), want, **tol)
 
 
 @needs_gpu
@@ -84,11 +105,11 @@ def test_a_graph_of_the_kernels_replays_a_new_mix_of_slots_bit_for_bit():
     a, b = _weights(6, 8, 2, 1024, 2 * 1536, torch.bfloat16, "cuda")
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
     ids = torch.tensor([1, 0, 2, 2, 0, 6, 5, 3], device="cuda")
-    lora_expand(lora_shrink(x, a, ids, 1), b, ids, 1, 2)  # (Triton compiles outside the capture)
+    lora_delta(x, a, b, ids, 1, 2)  # (Triton compiles outside the capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = lora_expand(lora_shrink(x, a, ids, 1), b, ids, 1, 2)
+        y = lora_delta(x, a, b, ids, 1, 2)
     ids.copy_(torch.tensor([0, 4, 4, 1, 0, 0, 6, 2], device="cuda"))
     graph.replay()
-    assert torch.equal(y, lora_expand(lora_shrink(x, a, ids, 1), b, ids, 1, 2))
+    assert torch.equal(y, lora_delta(x, a, b, ids, 1, 2))
     assert not y[ids == 0].any()

@@ -106,24 +106,62 @@ def quantized(w):
     return torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-@needs_gpu
-@pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (2048, 1024), (100, 96)])
-@pytest.mark.parametrize("prologue, residual", [(row_products.PLAIN, True), (row_products.NORM, False),
-                                                (row_products.SWIGLU, True)])
-@pytest.mark.parametrize("int8", [False, True])
-def test_kernel_matches_its_torch_arithmetic(n, k, prologue, residual, int8):
-    g = torch.Generator().manual_seed(n + k)
+def product_inputs(n: int, k: int, prologue: int, residual: bool, int8: bool, g: torch.Generator) -> tuple:
+    """`row_product`'s arguments for a random [n, k] product on the GPU (bf16, or int8 with scales)."""
     width = 2 * k if prologue == row_products.SWIGLU else k
     x = (torch.randn(1, 1, width, generator=g) * 3).to("cuda", torch.bfloat16)
     w = (torch.randn(n, k, generator=g) * 0.03).to("cuda", torch.bfloat16)
     norm = (1 + 0.1 * torch.randn(k, generator=g)).to("cuda", torch.bfloat16) if prologue == row_products.NORM else None
     res = torch.randn(1, 1, n, generator=g).to("cuda", torch.bfloat16) if residual else None
     w, scale = quantized(w) if int8 else (w, None)
-    args = (x, w, scale, norm, res, prologue, 1e-6)
+    return x, w, scale, norm, res, prologue, 1e-6
+
+
+@needs_gpu
+@pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (2048, 1024), (100, 96)])
+@pytest.mark.parametrize("prologue, residual", [(row_products.PLAIN, True), (row_products.NORM, False),
+                                                (row_products.SWIGLU, True)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_kernel_matches_its_torch_arithmetic(n, k, prologue, residual, int8):
+    args = product_inputs(n, k, prologue, residual, int8, torch.Generator().manual_seed(n + k))
     got, want = row_products.row_product(*args).float(), row_products.reference(*args).float()
     # float32 sums in another order, each rounded to bf16 once: a unit in the last place at most
     assert got.shape == (1, 1, n)
     assert (got - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+
+
+def _adapter_weights(n: int, k: int, rank: int, parts: int, g: torch.Generator, slots: int = 3):
+    """lora_a [slots + 1, parts·rank, k], lora_b [slots + 1, n, rank] on the GPU in bf16, slot 0 zeros."""
+    a = torch.randn(slots + 1, parts * rank, k, generator=g) * 0.05
+    b = torch.randn(slots + 1, n, rank, generator=g) * 0.05
+    a[0], b[0] = 0, 0
+    return a.to("cuda", torch.bfloat16), b.to("cuda", torch.bfloat16)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, prologue, residual, parts", [
+    (6144, 1024, row_products.NORM, False, 2), (4096, 1024, row_products.NORM, False, 1),
+    (1024, 3072, row_products.SWIGLU, True, 1), (1024, 2048, row_products.PLAIN, True, 1), (100, 96, row_products.NORM, False, 2)])
+@pytest.mark.parametrize("rank", [4, 8, 16, 64])
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_product_with_an_adapter_matches_its_torch_arithmetic(n, k, prologue, residual, parts, rank, int8):
+    """The adapter's part summed in the product's kernel against the product, then
+    `lora_delta`'s torch arithmetic; slot 0 gives the product without it (to its rounding: a
+    large rank makes the kernel take fewer inputs a block, so its sums run in another order)."""
+    g = torch.Generator().manual_seed(n + k + rank)
+    args = product_inputs(n, k, prologue, residual, int8, g)
+    a, b = _adapter_weights(n, k, rank, parts, g)
+    for slot in (2, 0):
+        lora = dict(lora_a=a, lora_b=b, lora_ids=torch.tensor([slot, 1], device="cuda"), parts=parts)
+        got = row_products.row_product(*args, **lora).float()
+        want = row_products.reference(*args, **lora).float()
+        assert (got - want).abs().max() <= 2 ** -5 * want.abs().max() + 2e-3  # a rounding more than the product
+        if slot == 0:
+            plain = row_products.row_product(*args).float()
+            assert (got - plain).abs().max() <= 2 ** -7 * plain.abs().max()
+        else:
+            assert (want - row_products.reference(*args).float()).abs().max() > 1e-2  # the adapter's part is there
 
 
 @needs_gpu

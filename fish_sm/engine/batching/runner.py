@@ -132,7 +132,8 @@ class ModelRunner:
         """Capture the decode step for every batch size up to `start_batch` and every attention
         bucket, their first frames and admissions; the larger sizes are left to
         `capture_next`. Returns the seconds from the first capture."""
-        step = GraphedStep(self.model, self.state, scratch_row=self.scratch, max_batch=self.slots)
+        step = GraphedStep(self.model, self.state, scratch_row=self.scratch, max_batch=self.slots,
+                           adapters=None if self.adapters is None else self.adapters.slots)
         t0 = time.perf_counter()
         now = [b for b in self.batch_sizes if b <= start_batch]
         step.capture_all(now)
@@ -427,7 +428,7 @@ class ModelRunner:
             out = decode_slots(self.model, self.state, ints, floats, self.model.positions[:bucket])
         else:
             self.staging.write(self.captured.step_buffer, [(0, ints), (step_layout(batch)[0], floats)])
-            out = self.captured.replay(batch, bucket)
+            out = self.captured.replay(batch, bucket, adapters=bool(ints[4, :n].any()))
         return StepRows(slots, t.generation[slots], t.chunk[slots], index + 1, host_frames(out[:n]))
 
     def _use_adapters(self, adapter_slots: list[int]) -> None:
