@@ -21,7 +21,7 @@ try:
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
-BLOCK_A = 8192  # the most elements of A a program loads at once (rank x inputs): few loads in a row
+BLOCK_A = 8192  # the most elements of A a program loads at once (rank x inputs; here and in `row_products`)
 BLOCK_OUT = 256  # the expand's outputs per program (each program repeats its row's shrink)
 
 

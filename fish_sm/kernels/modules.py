@@ -24,26 +24,18 @@ from fish_sm.model.dual_ar import Attention, DualARTransformer, TransformerBlock
 from fish_sm.model.layers import RMSNorm
 
 
-def attached_product(owner: nn.Module, name: str, x: Tensor, norm: RMSNorm | None = None, res: Tensor | None = None,
-                     swiglu: bool = False, adapters: Adapted | None = None) -> Tensor:
-    """`row_products.row_product` with the weights `attach_rows` hung on `owner` as `name`: of
-    RMSNorm(x) by `norm` if given, of SwiGLU(x) with `swiglu`, plus `res` if given, plus the
-    row's adapter's part of `adapters` (a `LoraLinear`) if given, in the same kernel."""
+def adapted_product(owner: nn.Module, name: str, module: nn.Module, x: Tensor, norm: RMSNorm | None = None,
+                    res: Tensor | None = None, swiglu: bool = False) -> Tensor:
+    """`row_products.row_product` of `module`'s weight as `attach_rows` hung it on `owner` as
+    `name`: of RMSNorm(x) by `norm` if given, of SwiGLU(x) with `swiglu`, plus `res` if given,
+    plus the row's adapter's part in the same kernel when `module` carries adapters that are added."""
     prologue = row_products.NORM if norm is not None else row_products.SWIGLU if swiglu else row_products.PLAIN
-    lora = {} if adapters is None else dict(lora_a=adapters.lora_a, lora_b=adapters.stacked_b(),
-                                            lora_ids=adapters.ids, parts=adapters.parts)
+    lora = (dict(lora_a=module.lora_a, lora_b=module.stacked_b(), lora_ids=module.ids, parts=module.parts)
+            if isinstance(module, Adapted) and module.adds else {})
     return row_products.row_product(x, getattr(owner, f"rows_{name}"), getattr(owner, f"rows_{name}_scale"),
                                     None if norm is None else norm.weight, res, prologue,
                                     0.0 if norm is None else norm.eps, getattr(owner, "rows_ahead", {}).get(name),
                                     **lora)
-
-
-def adapted_product(owner: nn.Module, name: str, module: nn.Module, x: Tensor, norm: RMSNorm | None = None,
-                    res: Tensor | None = None, swiglu: bool = False) -> Tensor:
-    """`attached_product` of `module`'s weight, with the row's adapter's part when `module`
-    carries adapters that are added."""
-    adapters = module if isinstance(module, Adapted) and module.adds else None
-    return attached_product(owner, name, x, norm=norm, res=res, swiglu=swiglu, adapters=adapters)
 
 
 def attach_rows(owner: nn.Module, name: str, linear: nn.Linear) -> None:

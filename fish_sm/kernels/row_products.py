@@ -3,8 +3,9 @@ product with the work around it fused in: the RMSNorm before wqkv and w13 (each 
 recomputes the row's statistics instead of a kernel of its own), the SwiGLU before w2, the
 residual add after wo and w2, and a LoRA adapter's low-rank part (each program sums the row's R
 numbers of A beside its own products, from the same input blocks, then takes its rows' share of
-B against them: A is small and stays in cache); over bf16 weights, or int8 ones with a scale per output row (torchao's
-weight-only INT8 data, read as it is, turned into floats through the mantissa).
+B against them: A is small and stays in cache); over bf16 weights, or int8 ones with a scale
+per output row (torchao's weight-only INT8 data, read as it is, turned into floats through the
+mantissa).
 
 Inductor would make a statistics kernel for every norm and read int8 weights no faster than
 bf16 ones, where at one row a kernel's fixed costs are as large as its memory time. Each
@@ -54,10 +55,6 @@ LAUNCH_CONFIGS = MappingProxyType({
     (4096, 1024, True): (16, 1024, 4), (1024, 2048, True): (2, 2048, 4), (6144, 1024, True): (4, 1024, 4),
     (1024, 3072, True): (4, 1024, 8), (2048, 1024, True): (16, 1024, 4), (1024, 1024, True): (4, 1024, 4),
 })
-
-
-# The most elements of A (rank x inputs) a program holds at once, beside its own block of weights.
-LORA_BLOCK = 8192
 
 
 def launch_config(n: int, k: int, int8: bool, configs=LAUNCH_CONFIGS) -> tuple[int, int, int]:
@@ -140,7 +137,7 @@ def _launch(x, w, scale, norm, res, prologue, eps, ahead=None, lora_a=None, lora
     block_r = triton.next_power_of_2(rank)
     if lora:  # a program's rows lie in one half (w13's w1 or w3 part); A's block of rows fits in registers
         block_n = math.gcd(block_n, n // parts)
-        block_k = min(block_k, max(32, LORA_BLOCK // block_r))
+        block_k = min(block_k, max(32, lora_products.BLOCK_A // block_r))
     programs = triton.cdiv(n, block_n)
     pdl, options = dependent_launch(x.device)
     bulk = ahead is not None and _bulk_prefetchable(ahead, programs)

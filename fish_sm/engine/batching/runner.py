@@ -371,17 +371,8 @@ class ModelRunner:
         for r in requests:
             self._settle_draws(r)
         sizes = self.captured.first_sizes(n) if self.captured is not None else []
-        batch = sizes[0] if sizes else n  # padding rows name the scratch row
-        ints = np.zeros((FIRST_INTS, batch), np.int64)  # noise key, cache row
-        ints[1] = self.scratch
-        ints[1, :n] = slots
-        floats = np.ones((STEP_FLOATS, batch, 1), np.float32)
-        floats[:, :n, 0] = self.table.sampling[:, slots]
-        if self.keyed_noise:
-            ints[0, :n] = self.table.next_keys(slots)
-        else:  # each request's generator draws its noise, the same batched or alone
-            for i, r in enumerate(requests):
-                self.noise[i].exponential_(1, generator=r.generator)
+        batch = sizes[0] if sizes else n
+        ints, floats = self._row_inputs(slots, batch, FIRST_INTS)  # noise key, cache row
         if sizes:
             self.staging.write(self.captured.first_buffer, [(0, ints), (step_layout(batch, FIRST_INTS)[0], floats)])
             frames = self.captured.first_frame(batch, logits, hidden)[:n]
@@ -409,19 +400,10 @@ class ModelRunner:
         n, t = len(slots), self.table
         batch = n if self.captured is None else next(b for b in self.ready_sizes if b >= n)
         index = t.computed[slots] - 1  # which frame of the chunk it feeds (it samples the next)
-        ints = np.zeros((STEP_INTS, batch), np.int64)  # noise key, cache row, position, frame index, adapter
-        ints[1] = self.scratch
-        ints[1, :n] = slots
+        ints, floats = self._row_inputs(slots, batch, STEP_INTS)  # noise key, cache row, position, frame index, adapter
         ints[2, :n] = t.length[slots] + index  # where the last frame goes
         ints[3, :n] = index
         ints[4, :n] = t.adapter[slots]
-        floats = np.ones((STEP_FLOATS, batch, 1), np.float32)  # padding rows: temperature, top_p, penalty 1
-        floats[:, :n, 0] = t.sampling[:, slots]
-        if self.keyed_noise:
-            ints[0, :n] = t.next_keys(slots)
-        else:  # each request's generator draws its noise, the same batched or alone
-            for i, slot in enumerate(slots):
-                self.noise[i].exponential_(1, generator=self.requests[slot].generator)
         bucket = attention_bucket(self.max_seq_len, int(ints[2, :n].max()) + 1)
         if self.captured is None:
             ints, floats = self.staging.copy(ints, floats)
@@ -430,6 +412,24 @@ class ModelRunner:
             self.staging.write(self.captured.step_buffer, [(0, ints), (step_layout(batch)[0], floats)])
             out = self.captured.replay(batch, bucket, adapters=bool(ints[4, :n].any()))
         return StepRows(slots, t.generation[slots], t.chunk[slots], index + 1, host_frames(out[:n]))
+
+    def _row_inputs(self, slots: np.ndarray, batch: int, n_ints: int) -> tuple[np.ndarray, np.ndarray]:
+        """A step's host inputs for these slots padded to `batch` rows: ints [n_ints, batch] with
+        each row's noise key and cache row filled (padding rows name the scratch row), floats
+        [STEP_FLOATS, batch, 1] its sampling parameters (padding rows 1). Without keyed noise
+        each request's generator draws its noise rows now, the same batched or alone."""
+        n = len(slots)
+        ints = np.zeros((n_ints, batch), np.int64)
+        ints[1] = self.scratch
+        ints[1, :n] = slots
+        floats = np.ones((STEP_FLOATS, batch, 1), np.float32)
+        floats[:, :n, 0] = self.table.sampling[:, slots]
+        if self.keyed_noise:
+            ints[0, :n] = self.table.next_keys(slots)
+        else:
+            for i, slot in enumerate(slots):
+                self.noise[i].exponential_(1, generator=self.requests[slot].generator)
+        return ints, floats
 
     def _use_adapters(self, adapter_slots: list[int]) -> None:
         """The next call's rows use these adapter slots."""
