@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks` run as a file
-from benchmarks.engine import capture_remaining  # noqa: E402
 from fish_sm.engine import Engine
 from fish_sm.engine.batching import BatchEngine, Job
 from fish_sm.contract import SamplingParams
@@ -105,8 +104,7 @@ def main() -> None:
     # The baseline: an engine without adapters.
     t0 = time.perf_counter()
     plain = BatchEngine(engine_for(args.checkpoint, args.max_seq_len, args.device), max_batch=slots, forced_lengths=True, horizon_s=0)
-    plain.compile()
-    capture_remaining(plain)
+    plain.compile(capture_all=True)
     out["plain_compile_s"] = round(time.perf_counter() - t0, 1)
     with plain:
         throughput(plain, [None] * slots, 40)
@@ -137,8 +135,7 @@ def main() -> None:
     out["measured_bytes_per_adapter"] = round(taken / (cache.slots.slots + 1))
     t0 = time.perf_counter()
     batcher = BatchEngine(engine, max_batch=slots, forced_lengths=True, horizon_s=0)
-    batcher.compile()
-    capture_remaining(batcher)
+    batcher.compile(capture_all=True)
     out["adapters_compile_s"] = round(time.perf_counter() - t0, 1)
     with batcher:
         throughput(batcher, [None] * slots, 40)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks` run as a file
-from benchmarks.engine import (BATCH_TEXTS, batching_level, capture_remaining, environment, load,  # noqa: E402
+from benchmarks.engine import (BATCH_TEXTS, batching_level, environment, load,  # noqa: E402
                                start_up_frozen)
 
 # The calls timed, by thread: (class, method) as the engine's modules name them today. One
@@ -313,8 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Decode as fast as it can, every request to its full length (random weights' <|im_end|> ends none).
         batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0, horizon_s=0, forced_lengths=True)
         t0 = time.perf_counter()
-        batcher.compile()
-        capture_remaining(batcher)
+        batcher.compile(capture_all=True)
         records = out["modes"][mode] = {"slots": batcher.slots, "compile_s": time.perf_counter() - t0, "levels": []}
         print(mode, json.dumps({k: v for k, v in records.items() if k != "levels"}), flush=True)
         for n in streams:

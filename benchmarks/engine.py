@@ -119,13 +119,6 @@ def run_prefill(model, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return model.forward_slow(prompt.to(model.device)[None], model.positions[:length], length)
 
 
-def capture_remaining(batcher) -> None:
-    """Capture now, before `start`, the graphs a batching engine otherwise captures between
-    steps (for timings of every batch size from the first step)."""
-    while batcher.runner.capturing:
-        batcher.runner.capture_next()
-
-
 def release(device: torch.device) -> None:
     """Hand back what dropped objects held (CUDA graphs' pools included)."""
     gc.collect()
@@ -342,7 +335,7 @@ def batching_curve(checkpoint: str, mode: str, streams: list[int], frames: int, 
     batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0, horizon_s=0)  # decode as fast as it can
     out = {"mode": mode, "slots": batcher.slots, "max_seq_len": batcher.max_seq_len, "frames_per_request": frames,
            "codec_pieces": codec}
-    out["compile_s"] = timed(batcher.compile, dev) + timed(lambda: capture_remaining(batcher), dev)
+    out["compile_s"] = timed(lambda: batcher.compile(capture_all=True), dev)
     out["admission_graph_vs_compiled"] = admission_check(batcher, prompts, reference)
     if profile and dev.type == "cuda":
         step = batcher.runner.captured

@@ -53,6 +53,9 @@ class Settings:
     # the streamed codec on a GPU: auto (both halves in float16; 47 dB SNR against float32 on
     # S1-mini's shapes) | float32 (the codec's own precision throughout)
     codec_precision: str = "auto"
+    # batching server on a GPU: early (/ping healthy once the graphs of a few rows are captured; the
+    # others while serving, when idle or when the load needs them) | all (every graph before /ping)
+    capture: str = "early"
     max_lines: int = 256  # lines a JSON Lines body may hold; more is a 413
     # bidirectional sessions: seconds with no message from the client and nothing left to speak
     # before the server closes it (the platform's pings do not count), and the longest a session may last
@@ -95,7 +98,7 @@ class Settings:
     def validate(self) -> None:
         choices = {"quantize": ("auto", "int8", "none"), "compile": ("auto", "true", "false"),
                    "dtype": ("auto", "bf16", "fp16", "fp32"), "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-                   "server": ("batching", "mms"), "codec_precision": ("auto", "float32"),
+                   "server": ("batching", "mms"), "codec_precision": ("auto", "float32"), "capture": ("early", "all"),
                    "metrics": ("emf", "off")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -71,11 +71,12 @@ class Captures:
     codec's products shared the decode graphs' workspace, and the two replay side by side on
     two streams: with TF32 matmuls in the fronts' graphs, the GPU stalled for seconds at a time.
 
-    `tf32`: the fronts' float32 matmuls on TF32 tensor cores, as cuDNN already runs the
-    codec's float32 convolutions. The flag is process-wide, so it is on only while a front is
-    captured; its graph keeps the TF32 kernels."""
+    `tf32`: for float32 fronts, their matmuls on TF32 tensor cores or not, as cuDNN already
+    runs the codec's float32 convolutions; None for fronts in 16 bits, which leave the flag
+    alone. The flag is process-wide, so it is set only while a front is captured; its graph
+    keeps the TF32 kernels."""
 
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None, tf32: bool = True):
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None, tf32: bool | None = True):
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = stream if stream is not None else torch.cuda.Stream(device)
         self.tf32 = tf32
@@ -86,6 +87,8 @@ class Captures:
 
     def matmuls(self):
         """The fronts' matmul precision, for this block only."""
+        if self.tf32 is None:
+            return contextlib.nullcontext()
         return backend_flag(torch.backends.cuda.matmul, "allow_tf32", self.tf32)
 
 
@@ -379,13 +382,14 @@ class StreamingCodec:
         # Its own stream and pool (`Captures`); TF32 for a float32 front's matmuls: faster, at
         # ~51 dB SNR against float32.
         self.front_tf32 = front_tf32  # (on CUDA: the CPU captures no graphs)
-        self.captures = Captures(codec.device, tf32=front_tf32) if self.use_graphs else None
         # On CUDA with a float32 codec (a dtype None), both halves in float16: 10-bit mantissas,
         # as TF32 rounds its inputs, on tensor cores twice as fast. (A bfloat16 front, 7 bits,
         # gave 31 dB SNR against float32 on S1-mini's shapes; float16, 47 dB.)
         half = self.use_graphs and codec.dtype == torch.float32
         back_dtype = back_dtype or (torch.float16 if half else codec.dtype)
         front_dtype = front_dtype or (torch.float16 if half else codec.dtype)
+        tf32 = front_tf32 if front_dtype == torch.float32 else None
+        self.captures = Captures(codec.device, tf32=tf32) if self.use_graphs else None
         self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype)
         codec.front_rope(POSITIONS)  # sized once, before any graph reads it (and before a copy is made)
         self.front = FrontState(front_in(codec, front_dtype), codec.n_rows)
@@ -395,6 +399,7 @@ class StreamingCodec:
         self._starts = np.array([piece_start(i, first, largest) for i in range(self._doubling + 1)], np.int64)
         self.fronts: dict[tuple[int, int], Replay] = {}  # (frames, rows) -> graph
         self.backs: dict[tuple[int, int], Replay] = {}
+        self.pending_captures: list[tuple[int, int]] = []  # (frames, rows) left by `capture` for `capture_next`
         self.lanes = 0
         if lanes:
             self.allocate(lanes)
@@ -500,7 +505,7 @@ class StreamingCodec:
 
     def _rows(self, n: int, b: int, graphs: dict) -> int:
         """The graph's rows for `b` pieces of `n` frames: the smallest captured that holds them (else b)."""
-        fits = [rows for frames, rows in graphs if frames == n and rows >= b]
+        fits = [rows for frames, rows in list(graphs) if frames == n and rows >= b]  # (a thread may be adding one)
         return min(fits) if fits else b
 
     def _half(self, graphs: dict, run: Callable, n: int, lanes: np.ndarray, starts: np.ndarray,
@@ -546,25 +551,58 @@ class StreamingCodec:
             most = max(most, torch.cuda.max_memory_allocated(device) - before)
         return most
 
+    def capture_shapes(self) -> list[tuple[int, int]]:
+        """Every (frames, rows) captured: each scheduled length at 1, 2, 4, ... rows up to a
+        batch (or the lanes, each a batch's row at most once), the fewest rows first."""
+        shapes = [(n, rows) for n in self.lengths() for rows in batch_sizes(self._most_rows(n))]
+        return sorted(shapes, key=lambda s: (s[1], s[0]))
+
+    def _most_rows(self, n: int) -> int:
+        """The most pieces of `n` frames in one batch: a batch's, or the lanes' (one piece a lane)."""
+        return min(self.rows_for(n), max(1, self.lanes))
+
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Start-up work (CUDA, after `allocate`): for every scheduled piece length, the front's
-        and the back's graphs at 1, 2, 4, ... rows, up to a batch (which compiles the back).
-        cuDNN picks each back conv's kernel by timing its candidates (benchmark mode) in the run
-        before the capture: its heuristics' picks for these channels-last shapes were slower."""
+    def capture(self, rows: int | None = None) -> None:
+        """Start-up work (CUDA, after `allocate`): the graphs of batches of at most `rows`
+        pieces (None: every batch) of every scheduled length; the others are left to
+        `capture_next`, a batch that finds none meanwhile running the compiled back and the
+        eager front. A back's first run compiles it."""
         if not self.use_graphs:
             return
-        device, scratch = self.codec.device, self.lanes
-        for n in self.lengths():
-            for rows in batch_sizes(self.rows_for(n)):
-                lanes = torch.full((rows,), scratch, dtype=torch.long, device=device)
-                starts = torch.zeros(rows, dtype=torch.long, device=device)
-                codes = torch.zeros(rows, self.codec.n_rows, n, dtype=torch.long, device=device)
-                self.fronts[(n, rows)] = Replay(self._front, [lanes, starts, codes], self.captures, self.captures.matmuls)
-                latents = self.back.silence(rows, n)
-                self.backs[(n, rows)] = Replay(self.back.lanes, [lanes.clone(), starts.clone(), latents], self.captures,
-                                               cudnn_benchmark)
+        if self.captures.tf32 is not None:  # a float32 front's capture sets a process-wide flag: never beside serving
+            rows = None
+        shapes = self.capture_shapes()
+        self.pending_captures = [s for s in shapes if rows is not None and s[1] > rows]
+        for n, r in shapes:
+            if rows is None or r <= rows:
+                self._capture(n, r)
         self.back.warmed = True
+
+    @property
+    def capturing(self) -> bool:
+        """Graphs are still to be captured (`capture_next`)."""
+        return bool(self.pending_captures)
+
+    @torch.inference_mode()
+    def capture_next(self) -> None:
+        """Capture the next graphs left by `capture`, those of one (frames, rows) shape."""
+        self._capture(*self.pending_captures.pop(0))
+
+    def _capture(self, n: int, rows: int) -> None:
+        """The front's and the back's graphs for `rows` pieces of `n` frames (scratch lanes).
+
+        cuDNN picks each back conv's kernel by timing its candidates (benchmark mode) in the
+        run before the capture: its heuristics' picks for these channels-last shapes were
+        slower. A single piece's back replays the two-row graph: at one row the compiled back
+        would be specialised, and compiled, a second time."""
+        device, scratch = self.codec.device, self.lanes
+        lanes = torch.full((rows,), scratch, dtype=torch.long, device=device)
+        starts = torch.zeros(rows, dtype=torch.long, device=device)
+        codes = torch.zeros(rows, self.codec.n_rows, n, dtype=torch.long, device=device)
+        self.fronts[(n, rows)] = Replay(self._front, [lanes, starts, codes], self.captures, self.captures.matmuls)
+        if rows > 1 or self._most_rows(n) == 1:
+            self.backs[(n, rows)] = Replay(self.back.lanes, [lanes.clone(), starts.clone(), self.back.silence(rows, n)],
+                                           self.captures, cudnn_benchmark)
 
     @property
     def graphs(self) -> int:

@@ -132,7 +132,7 @@ class Engine:
         (on a GPU; elsewhere nothing is compiled): a new one-slot batching engine over this one
         (`options`: `BatchEngine`'s keyword arguments), compiled, started and warmed up."""
         batcher = self._one_slot(options)
-        batcher.compile()
+        batcher.compile(capture_all=True)  # (few graphs at one slot; nothing captured while serving)
         batcher.start()
         self.synthesize("Compiling the decoder.", seed=0, max_new_tokens=3)
 

@@ -67,7 +67,7 @@ def start_engine(model_dir: Path, device: str, settings: Settings):
     batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
                           horizon_s=settings.stream_horizon_s, step_rows=settings.step_rows, **engine_options(settings))
     if model.compiled:
-        phase("compile", batcher.compile)
+        phase("compile", lambda: batcher.compile(capture_all=settings.capture == "all"))
     batcher.start()
     if settings.warmup:
         phase("warmup", lambda: warm_up(model, batcher))

@@ -653,3 +653,20 @@ def test_a_cancelled_session_frees_its_slot_at_once(tiny_checkpoint):
     assert kinds[0] == "admitted" and kinds[-1] == "done" and "spoken" in kinds
     with pytest.raises(InputError):
         first.speak("")
+
+
+def test_graphs_left_to_capture_wait_for_an_idle_engine_or_a_load_that_needs_them(tiny_checkpoint):
+    """A capture between two steps holds up every stream for its duration: the engine takes
+    one when it is idle, when a decode needed more rows than the captured steps hold, or for a
+    prompt after a kept prefix just seen (its shape wanted now), not under a load the graphs
+    it has already serve."""
+    runner = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=8).runner
+    runner._to_capture = [("decode", 8, 256, True), ("first", 8)]
+    assert runner.capture_due(idle=True) and not runner.capture_due(idle=False)
+    runner.outgrown = True
+    assert runner.capture_due(idle=False)
+    runner.outgrown = False
+    runner._to_capture.insert(0, ("continued", 1, 64, 512))
+    assert runner.capture_due(idle=False)
+    runner._to_capture = []
+    assert not runner.capture_due(idle=True)

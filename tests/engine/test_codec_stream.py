@@ -219,27 +219,49 @@ def test_the_back_in_float16_decodes_within_its_rounding_of_float32(engine):
     assert StreamingCodec(engine.codec, first=2, largest=8).back.dtype == torch.float32  # the CPU's default
 
 
+def test_the_codec_captures_every_batch_its_lanes_allow_the_fewest_rows_first():
+    """Graphs for 1, 2, 4, ... pieces of each scheduled length, up to a batch or the lanes (a
+    batch holds a lane once), in the order a server captures them once serving: small first."""
+    codec = codec_from_state_dict(build_codec_state_dict(CodecConfig.tiny(), seed=4), device="cpu").eval()
+    pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=5)
+    assert pieces.capture_shapes() == [(2, 1), (4, 1), (2, 2), (4, 2), (4, 3), (2, 4), (2, 5)]
+    assert StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=1).capture_shapes() == [(2, 1), (4, 1)]
+    pieces.capture(2)  # on the CPU nothing is captured, nor left to capture
+    assert not pieces.fronts and not pieces.capturing
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeypatch):
+@pytest.mark.parametrize("early", [None, 2])
+def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeypatch, early):
     """The per-index and full-length front graphs and the compiled, captured back, streams
     joining at different rounds (float32 throughout, TF32 off: with it, pieces and whole
-    decodes differ by up to ~3e-3 from the convolutions' shapes alone)."""
+    decodes differ by up to ~3e-3 from the convolutions' shapes alone). `early`: only batches
+    of up to 2 pieces captured first (as a server starts), the larger ones running the
+    compiled back and the eager front; then the rest captured, one shape at a time."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config = dataclasses.replace(CodecConfig.tiny(), quantizer_window=6)
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
     pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, back_dtype=torch.float32,
                             front_dtype=torch.float32, front_tf32=False, lanes=5)
+    every = [(2, 1), (2, 2), (2, 4), (2, 5), (4, 1), (4, 2), (4, 3)]  # (at most 5 rows: 5 lanes)
     with torch.inference_mode():
-        pieces.capture()
-    assert sorted(pieces.fronts) == sorted(pieces.backs) == [(2, 1), (2, 2), (2, 4), (2, 6), (4, 1), (4, 2), (4, 3)]
+        pieces.capture(early)
+    if early:
+        assert sorted(pieces.fronts) == [(2, 1), (2, 2), (4, 1), (4, 2)] and sorted(pieces.backs) == [(2, 2), (4, 2)]
+        assert pieces.pending_captures == [(4, 3), (2, 4), (2, 5)]  # the fewest rows first
     lengths, starts = (26, 19, 30, 23, 9), (0, 1, 2, 4, 4)
     codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(70 + n)).cuda()
              for n in lengths]
-    with torch.inference_mode():
-        out = _streamed_in_rounds(pieces, codes, starts)
-        for i in range(len(codes)):
-            torch.testing.assert_close(out[i], codec.decode(codes[i]), atol=1e-4, rtol=0)
+    for _ in range(2 if early else 1):
+        with torch.inference_mode():
+            out = _streamed_in_rounds(pieces, codes, starts)
+            for i in range(len(codes)):
+                torch.testing.assert_close(out[i], codec.decode(codes[i]), atol=1e-4, rtol=0)
+            while pieces.capturing:
+                pieces.capture_next()
+        # A single piece's back replays the two-row graph: never a one-row back, compiled apart.
+        assert sorted(pieces.fronts) == every and sorted(pieces.backs) == [s for s in every if s[1] > 1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -190,3 +190,38 @@ def test_a_prompt_after_a_kept_prefix_is_captured_for_the_next_of_its_shape(engi
     second = engine.synthesize("Hello there.", voice, seed=5, max_new_tokens=6)
     assert runner.prefills[("continued", "captured")] == before + 1
     assert torch.equal(first.codes, second.codes)
+
+
+def test_graphs_captured_once_serving_give_the_codes_of_graphs_captured_first(tiny_checkpoint):
+    """A batching engine started with the graphs of a few rows (`compile()`, as a server starts)
+    serves a burst of more: its larger steps captured as the load outgrows the captured ones,
+    the codec's larger batches on the compiled back until its thread captures them. Its codes
+    are those of an engine that captured every graph before serving (float32), and again once
+    every graph is captured."""
+    from fish_sm.engine.batching import BatchEngine, Job
+    from fish_sm.engine.sampling import SamplingParams
+
+    def burst(batcher) -> list:
+        texts = ["Hello there.", "A somewhat longer sentence, so that more frames come out.", "Short.", "One more!"]
+        jobs = [Job(t, params=SamplingParams(seed=i, max_new_tokens=16), stream=i % 2 == 0)
+                for i, t in enumerate(texts * 3)]
+        with batcher:
+            return [t.result().codes for t in [batcher.submit(j) for j in jobs]]
+
+    batchers = {}
+    for capture_all in (True, False):
+        engine = Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype=torch.float32)
+        batchers[capture_all] = BatchEngine(engine, max_batch=16, forced_lengths=True, horizon_s=0)
+        batchers[capture_all].compile(capture_all=capture_all)
+    full, early = batchers[True], batchers[False]
+    assert early.runner.ready_sizes == [1, 2, 4] and full.runner.ready_sizes == [1, 2, 4, 8, 16]
+    assert early._codec.codec.capturing and not full._codec.codec.capturing
+    want = burst(full)
+    assert all(torch.equal(a, b) for a, b in zip(burst(early), want))
+    while early.runner.capturing:  # what the engine's threads capture once idle
+        early.runner.capture_next()
+    while early._codec.codec.capturing:
+        early._codec.codec.capture_next()
+    assert early.runner.ready_sizes == full.runner.ready_sizes
+    assert early._codec.codec.backs.keys() == full._codec.codec.backs.keys()
+    assert all(torch.equal(a, b) for a, b in zip(burst(early), want))

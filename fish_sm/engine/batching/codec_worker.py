@@ -105,6 +105,12 @@ class CodecWorker:
         # Pieces of streams with audio to spare wait up to `hold_s` for more of their length, so
         # the codec decodes fewer, larger batches beside the decode loop (0: never wait).
         self.hold_s, self.spare_s = HOLD_S, SPARE_S
+        # Held while a graph is captured, by this worker's capturing thread and by the engine's
+        # thread: one capture at a time.
+        self.capture_lock = threading.Lock()
+        self._capturer: threading.Thread | None = None
+        self._stopping = False
+        self.on_captured: Callable[[], None] | None = None  # called after each shape is captured (the lock free)
         if lanes:
             self.allocate(lanes)
 
@@ -118,21 +124,52 @@ class CodecWorker:
         self._state = _LaneState(lanes, self.engine.config.num_codebooks)
         self._audio = [None] * lanes
 
-    def capture(self) -> None:
+    def capture(self, rows: int | None = None) -> None:
+        """The codec's graphs for batches of at most `rows` pieces now (None: all); once
+        started, a thread of its own captures the others, one shape at a time, while this
+        worker's thread decodes (a shape's first run costs ~1 s, most of it cuDNN planning
+        its convs: on the decoding thread it would hold up every stream's audio)."""
         with self._on_stream():
-            self.codec.capture()
+            self.codec.capture(rows)
 
     def _on_stream(self):
         return torch.cuda.stream(self._cuda) if self._cuda is not None else contextlib.nullcontext()
 
     def start(self) -> None:
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fish-sm-codec", daemon=True)
         self._thread.start()
+        if self.codec.capturing and self._capturer is None:
+            self._capturer = threading.Thread(target=self._capture_rest, name="fish-sm-codec-capture", daemon=True)
+            self._capturer.start()
 
     def stop(self) -> None:
+        self._stopping = True
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+        if self._capturer is not None:
+            self._capturer.join()
+            self._capturer = None
+
+    def _capture_rest(self) -> None:
+        """The capturing thread: the graphs `capture` left, one shape at a time, until all are
+        captured or the worker stops. A capture that fails is logged and no more are tried:
+        batches without a graph run the compiled back and the eager front."""
+        stream = torch.cuda.Stream(self.engine.device) if self._cuda is not None else None
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while self.codec.capturing and not self._stopping:
+                with self.capture_lock:
+                    try:
+                        self.codec.capture_next()
+                    except Exception:
+                        logger.exception("codec: a graph capture failed; %d shapes left run without graphs",
+                                         len(self.codec.pending_captures))
+                        self.codec.pending_captures.clear()
+                if self.on_captured is not None:
+                    self.on_captured()
+        if not self.codec.capturing:
+            logger.info("codec: every graph captured (%d)", self.codec.graphs)
 
     # -- the engine's side: one message per call, taken in order --------------------------------
 

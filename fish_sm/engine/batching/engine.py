@@ -24,7 +24,7 @@ from fish_sm.contract import check_text
 from fish_sm.errors import AdapterError, FishSMError, InputError
 from fish_sm.engine.batching.codec_worker import CodecWorker
 from fish_sm.engine.batching.request import EngineStopped, Event, Job, Session, Ticket
-from fish_sm.engine.batching.runner import ModelRunner
+from fish_sm.engine.batching.runner import START_BATCH, ModelRunner
 from fish_sm.engine.batching.scheduler import Request, Schedule, Scheduler, StepRows
 
 if TYPE_CHECKING:  # (the engine builds batching engines over itself: no import at run time)
@@ -37,6 +37,11 @@ logger = logging.getLogger("fish_sm.batching")
 # session parked between sentences keeps its stream without a slot (a lane is ~4% of a slot's
 # memory; admissions wait for a lane beyond these).
 LANES_PER_SLOT = 2
+
+
+# The codec's graphs captured before serving: batches of at most this many pieces (a first
+# request's, and a few more); the others on the codec's thread once serving.
+CODEC_START_ROWS = 2
 
 
 def codec_lanes(slots: int) -> int:
@@ -71,6 +76,7 @@ class BatchEngine:
                                    codebooks=engine.config.num_codebooks, max_frames=self.runner.max_seq_len,
                                    lanes_free=self._codec.lanes.free)
         self._codec.lanes.on_release = self._wake
+        self._codec.on_captured = self._wake  # an idle loop waiting for the capture lock tries again
         self.runner.bind(self.scheduler.table, self.scheduler.requests)
         self._lock = threading.Condition()
         if engine.adapters is not None:  # an adapter read on its own thread wakes the loop for its request
@@ -107,22 +113,25 @@ class BatchEngine:
 
     # -- lifecycle ------------------------------------------------------------------
 
-    def compile(self) -> None:
+    def compile(self, capture_all: bool = False) -> None:
         """Capture the decode step for the small batch sizes and every attention bucket, their
-        admissions and the codec (CUDA), now rather than on a request; the larger batch sizes
-        are captured between steps once serving (`ModelRunner.capture_next`)."""
+        admissions and the codec's small batches (CUDA), now rather than on a request: what a
+        first few requests use. The others are captured once serving, when there is time
+        (`ModelRunner.capture_due`, the codec's thread when it has nothing to decode);
+        `capture_all`: every graph now."""
         if self.device.type != "cuda":
             return
-        seconds = self.runner.capture()
+        seconds = self.runner.capture(self.slots if capture_all else START_BATCH)
         t0 = time.perf_counter()
-        self._codec.capture()
+        self._codec.capture(None if capture_all else CODEC_START_ROWS)
         # The warm-up runs before each capture leave blocks cached: hand back what no graph holds.
         torch.cuda.empty_cache()
         step = self.runner.captured
         logger.info("batching: captured %d decode, %d admission and %d codec graphs in %.1f s (batch sizes to %d; "
-                    "%d graphs more between steps); %.1f GiB of %.1f GiB free", len(step.graphs), len(step.admissions),
-                    self._codec.codec.graphs, seconds + time.perf_counter() - t0, self.runner.ready_sizes[-1],
-                    len(self.runner._to_capture), *(b / 2**30 for b in torch.cuda.mem_get_info(self.device)))
+                    "%d decode and %d codec shapes more once serving); %.1f GiB of %.1f GiB free", len(step.graphs),
+                    len(step.admissions), self._codec.codec.graphs, seconds + time.perf_counter() - t0,
+                    self.runner.ready_sizes[-1], len(self.runner._to_capture), len(self._codec.codec.pending_captures),
+                    *(b / 2**30 for b in torch.cuda.mem_get_info(self.device)))
 
     def start(self) -> "BatchEngine":
         # The decode loop and the codec thread hand the GIL to each other many times a
@@ -287,9 +296,8 @@ class BatchEngine:
                     self.stats.lap("update", at)
                     pending = step
                     self.stats.step(bool(step), began)
-                    if self.runner.capturing:
-                        self.runner.capture_next()  # one graph between two steps
-                    elif not step and not first:
+                    idle = not step and not first
+                    if not (self.runner.capture_due(idle) and self._capture_next(wait=not idle)) and idle:
                         self._wait_for_turn()
                 except Exception as exc:  # a failure of the shared step fails every request in it
                     logger.exception("batching step failed")
@@ -330,10 +338,24 @@ class BatchEngine:
             ticket.emit("error", exc)
         return schedule
 
+    def _capture_next(self, wait: bool) -> bool:
+        """One graph between two steps, once the codec's capturing thread lets go of the capture
+        lock (one capture at a time); `wait`: for the lock (the load needs the graph), else only
+        if it is free (idle: the codec's capture, when done, wakes the loop to try again)."""
+        if not self._codec.capture_lock.acquire(blocking=wait):
+            return False
+        try:
+            self.runner.capture_next()
+        finally:
+            self._codec.capture_lock.release()
+        return True
+
     def _wait_for_turn(self) -> None:
         """Nothing was decoded (every stream has its listener's horizon buffered): wait until the
         first of them needs a frame, or new work arrives."""
         with self._lock:
+            if self.runner.capturing and not self._codec.capture_lock.locked():
+                return  # the codec's capture ended before this wait: capture now
             if self.scheduler.num_waiting:  # a lane given back then wakes this wait
                 self._codec.lanes.starved = True
             wait = self.scheduler.next_turn_in()

@@ -46,8 +46,9 @@ logger = logging.getLogger("fish_sm.batching")
 
 # Padded prompt tokens prefilled together: 32 short requests in one prefill, a few long ones.
 PREFILL_TOKENS = 4096
-# Batch sizes captured before serving; larger ones are captured between steps once serving.
-START_BATCH = 32
+# Batch sizes captured before serving (4: every compiled variant of the step, one row, two and
+# any number, is traced by then); larger ones are captured between steps once serving.
+START_BATCH = 4
 # Most slots when FISH_SM_MAX_BATCH is 0 (as many as the memory holds).
 MOST_SLOTS = 1024
 
@@ -99,6 +100,7 @@ class ModelRunner:
         self.ready_sizes: list[int] = []  # batch sizes whose decode steps are captured for every bucket
         self._to_capture: list[tuple] = []  # what `capture_next` captures, in order
         self._queued: set[tuple] = set()  # continuations queued for capture (`_admission`)
+        self.outgrown = False  # the last decode took more rows than the largest captured step
         self.steps = 0
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int,
@@ -162,6 +164,13 @@ class ModelRunner:
     def capturing(self) -> bool:
         """Graphs are still to be captured between steps."""
         return bool(self._to_capture)
+
+    def capture_due(self, idle: bool) -> bool:
+        """Whether to capture the next graph now, between two steps: when the engine is `idle`,
+        when the load has outgrown the captured batch sizes (a decode took several steps), or
+        for a prefix's continuation, first seen: a capture holds up every stream for its
+        duration (0.05-0.7 s), which only a use for the graph pays for."""
+        return bool(self._to_capture) and (idle or self.outgrown or self._to_capture[0][0] == "continued")
 
     @torch.inference_mode()
     def capture_next(self) -> None:
@@ -351,7 +360,7 @@ class ModelRunner:
             return self.model.forward_slow(tokens, positions, live, key_pos=self.model.positions[:live], row=rows, last=last)
         if captured and self.captured.admissions and shape == self._group_shape(*shape) and key not in self._queued:
             self._queued.add(key)
-            self._to_capture.append(("continued", *key))
+            self._to_capture.insert(0, ("continued", *key))  # (before any larger batch size: wanted now)
         self.prefills["continued"] += 1
         return self.model.forward_slow(tokens, positions, key[-1], key_pos=self.model.positions[: key[-1]], row=rows,
                                        last=last)
@@ -389,6 +398,7 @@ class ModelRunner:
         if not slots.size:
             return []
         most = self.ready_sizes[-1] if self.captured is not None else len(slots)
+        self.outgrown = len(slots) > most
         steps = [self._decode_rows(slots[start : start + most]) for start in range(0, len(slots), most)]
         self.steps += 1
         return steps
