@@ -5,9 +5,16 @@ streamed request to show it serves. Settings come from the environment (FISH_SM_
 FISH_SM_MAX_SEQ_LEN, ...), as a deployed server takes them.
 
     python benchmarks/ping_time.py CHECKPOINT [--cache FISH_SM_CACHE_DIR] [--work DIR] [--port 8091] [--out DIR]
+        [--steady 1,256 [--steady-requests N] [--max-new-tokens 200]]
 
 One JSON line per start (seconds to a healthy /ping, the server's own log lines about its
 slots and graphs, the first request's status and first audio); DIR/ping_time.json.
+
+`--steady LEVELS`: after the first request, each packaged start also waits until its server
+logs every graph captured (the decode steps' and the codec's: `FISH_SM_CAPTURE=early` captures
+them while serving), then runs `fish-sm bench --stream` at those concurrencies; and the package
+is started once more with `FISH_SM_CAPTURE=all` (every graph before `/ping`) for the same bench:
+the speed after a fast start against a slow one.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,11 +32,43 @@ import urllib.request
 from pathlib import Path
 
 LOG_MARKS = ("slots of", "captured", "every graph captured", "ready with")
+# What a server logs at start about the graphs it leaves for later, and once each kind is all in.
+LEFT = re.compile(r"(\d+) decode and (\d+) codec shapes more once serving")
+ALL_CAPTURED = ("batching: every graph captured", "codec: every graph captured")
 
 
-def start(model: Path, cache_dir: Path, port: int, log_path: Path) -> dict:
-    """Start `fish-sm serve MODEL`, wait for a healthy /ping, send one streamed request, stop it."""
+def all_captured(log_path: Path, proc: subprocess.Popen, t0: float, timeout_s: float) -> float | None:
+    """Seconds from the start until the server's log says every graph it left for later is
+    captured (at once when it left none, as on a CPU; None: not within `timeout_s`, or the
+    server ended)."""
+    while proc.poll() is None and time.perf_counter() - t0 < timeout_s:
+        text = log_path.read_text(errors="replace")
+        left = LEFT.search(text)
+        if all(mark in text for mark, n in zip(ALL_CAPTURED, left.groups() if left else (0, 0)) if int(n)):
+            return time.perf_counter() - t0
+        time.sleep(0.5)
+    return None
+
+
+def steady(url: str, levels: str, requests: int, max_new_tokens: int, out: Path) -> list[dict]:
+    """`fish-sm bench --stream` against the server: each level's audio seconds a second and first audio."""
+    subprocess.run([sys.executable, "-m", "fish_sm.cli", "bench", "--url", url, "--stream", "--concurrency", levels,
+                    "--requests", str(requests), "--max-new-tokens", str(max_new_tokens), "--seed", "1", "-o", str(out)],
+                   check=True, stdout=subprocess.DEVNULL)
+    report = json.loads((out / "bench.json").read_text())
+    return [{"concurrency": lv["concurrency"], "audio_s_per_s": round(lv["audio_seconds_per_wall_second"], 2),
+             "first_audio_ms_p50": lv["first_audio_ms"]["p50"], "error_rate": lv["error_rate"]}
+            for lv in report["levels"]]
+
+
+def start(model: Path, cache_dir: Path, port: int, log_path: Path, bench: dict | None = None,
+          capture: str | None = None) -> dict:
+    """Start `fish-sm serve MODEL`, wait for a healthy /ping, send one streamed request; with
+    `bench` (`steady`'s arguments but the URL), wait for every graph, then bench it; stop it."""
     env = {**os.environ, "FISH_SM_CACHE_DIR": str(cache_dir)}
+    if capture:
+        env["FISH_SM_CAPTURE"] = capture
+    result: dict = {}
     log = open(log_path, "w")
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "fish_sm.cli", "serve", str(model), "--port", str(port)],
@@ -56,12 +96,15 @@ def start(model: Path, cache_dir: Path, port: int, log_path: Path) -> dict:
                 r.read(1)
                 first = time.perf_counter() - t1
                 r.read()
+        if healthy is not None and bench is not None:
+            done = all_captured(log_path, proc, t0, 900) if capture != "all" else healthy
+            result = {"all_captured_s": done, "steady": steady(url, **bench)}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
     lines = [line.strip() for line in open(log_path) if any(m in line for m in LOG_MARKS)]
-    return {"ping_healthy_s": healthy, "first_request_status": status, "first_audio_s": first, "log": lines}
+    return {"ping_healthy_s": healthy, "first_request_status": status, "first_audio_s": first, **result, "log": lines}
 
 
 def main() -> None:
@@ -72,6 +115,10 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, help="a FISH_SM_CACHE_DIR a server already filled: no cold start, "
                     "the package gets its cache")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--steady", metavar="LEVELS", help="concurrencies to bench once every graph is captured, "
+                    "and against a start that captures them all first (FISH_SM_CAPTURE=all), e.g. 1,256")
+    ap.add_argument("--steady-requests", type=int, default=256, help="requests per --steady level")
+    ap.add_argument("--max-new-tokens", type=int, default=200, help="frames per --steady request")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -84,14 +131,27 @@ def main() -> None:
     # The package as SageMaker unpacks model.tar.gz into /opt/ml/model (no tarball in between).
     from fish_sm.package.build import build_package_dir
 
-    built = next(p.parent for p in cold_cache.glob("*/cache.json"))  # FISH_SM_CACHE_DIR/<device>
+    # FISH_SM_CACHE_DIR/<device>; none on a CPU, which compiles nothing (the package then has no cache)
+    built = next((p.parent for p in cold_cache.glob("*/cache.json")), None)
     unpacked = work / "model"
     shutil.rmtree(unpacked, ignore_errors=True)
     build_package_dir(args.checkpoint, unpacked, None, built)
-    packaged = {"start": "package with its compile cache",
-                **start(unpacked, work / "cache-fresh", args.port, work / "packaged.log")}
+    bench = None
+    if args.steady:
+        bench = {"levels": args.steady, "requests": args.steady_requests, "max_new_tokens": args.max_new_tokens,
+                 "out": work / "bench-early"}
+    label = "package with its compile cache" if built is not None else "package"
+    packaged = {"start": label,
+                **start(unpacked, work / "cache-fresh", args.port, work / "packaged.log", bench)}
     print(json.dumps(packaged), flush=True)
     results.append(packaged)
+    if bench is not None:
+        shutil.rmtree(work / "cache-all", ignore_errors=True)
+        everything = {"start": f"{label}, FISH_SM_CAPTURE=all",
+                      **start(unpacked, work / "cache-all", args.port, work / "packaged-all.log",
+                              {**bench, "out": work / "bench-all"}, capture="all")}
+        print(json.dumps(everything), flush=True)
+        results.append(everything)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ping_time.json").write_text(json.dumps(results, indent=1))
 
