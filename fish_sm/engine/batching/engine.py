@@ -40,7 +40,7 @@ LANES_PER_SLOT = 2
 
 
 # The codec's graphs captured before serving: batches of at most this many pieces (a first
-# request's, and a few more); the others on the codec's thread once serving.
+# request's, and a few more); the others by the codec's capturing thread once serving.
 CODEC_START_ROWS = 2
 
 
@@ -116,9 +116,9 @@ class BatchEngine:
     def compile(self, capture_all: bool = False) -> None:
         """Capture the decode step for the small batch sizes and every attention bucket, their
         admissions and the codec's small batches (CUDA), now rather than on a request: what a
-        first few requests use. The others are captured once serving, when there is time
-        (`ModelRunner.capture_due`, the codec's thread when it has nothing to decode);
-        `capture_all`: every graph now."""
+        first few requests use. The others are captured once serving: the decode steps' between
+        two steps when there is time (`ModelRunner.capture_due`), the codec's by a thread of its
+        own (`CodecWorker.capture`); `capture_all`: every graph now."""
         if self.device.type != "cuda":
             return
         seconds = self.runner.capture(self.slots if capture_all else START_BATCH)
