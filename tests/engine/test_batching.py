@@ -670,3 +670,36 @@ def test_graphs_left_to_capture_wait_for_an_idle_engine_or_a_load_that_needs_the
     assert runner.capture_due(idle=False)
     runner._to_capture = []
     assert not runner.capture_due(idle=True)
+
+
+def test_the_codec_s_capturing_thread_takes_the_shapes_left_one_at_a_time_under_the_lock(solo, monkeypatch, caplog):
+    """What `capture` leaves (on a GPU) a thread of the worker's own captures once started, one
+    shape at a time under the capture lock the engine's thread shares, waking the engine after
+    each; a capture that fails is logged and the shapes left are dropped (their batches run
+    without graphs), and the worker keeps decoding. The captures themselves are the GPU's
+    (tests/engine/test_codec_stream.py); here the thread around them, on the CPU."""
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
+    codec = worker.codec
+    codec.pending_captures = [(4, 4), (8, 4), (4, 8), (16, 4)]
+    captured, woken = [], []
+
+    def capture_next():
+        assert worker.capture_lock.locked()
+        shape = codec.pending_captures.pop(0)
+        if shape == (4, 8):
+            raise RuntimeError("no memory for this graph")
+        captured.append(shape)
+
+    monkeypatch.setattr(codec, "capture_next", capture_next)
+    worker.on_captured = lambda: woken.append(len(captured))
+    worker.start()
+    worker._capturer.join()
+    assert captured == [(4, 4), (8, 4)] and not codec.capturing and woken == [1, 2, 2]
+    assert "a graph capture failed; 1 shapes left run without graphs" in caplog.text
+    ticket = Ticket(Job("x", stream=True))
+    worker.open(worker.lanes.take(), ticket)  # the worker still decodes
+    worker.frames(np.array([0]), np.zeros((1, solo.config.num_codebooks), np.int64))
+    worker.finish(0, [np.zeros((solo.config.num_codebooks, 1), np.int64)])
+    kinds = [kind for kind, _ in ticket.events()]  # (ends with its last event)
+    worker.stop()
+    assert kinds == ["audio", "done"]
