@@ -297,7 +297,8 @@ class BatchEngine:
                     pending = step
                     self.stats.step(bool(step), began)
                     idle = not step and not first
-                    if not (self.runner.capture_due(idle) and self._capture_next(wait=not idle)) and idle:
+                    captured = self.runner.capture_due(idle) and self._capture_next(wait=not idle)
+                    if idle and not captured:
                         self._wait_for_turn()
                 except Exception as exc:  # a failure of the shared step fails every request in it
                     logger.exception("batching step failed")
