@@ -1,12 +1,11 @@
 """The batching engine's codec alone, as served (`CodecWorker`: its thread and CUDA stream, its
 captured graphs, its batching of pieces and its hold): N streamed requests of F random frames
 each, handed over all at once so that nothing waits on the transformer. Per codec precision
-(`CodecWorker`'s `precision`: auto, as shipped, or float32) and residual units (`--units`:
-fused or not, auto as shipped), two plain runs and one under a CUDA profile: frames/s, the
-latest first audio, and the kernels by GPU time.
+(`CodecWorker`'s `precision`: auto, as shipped, or float32), two plain runs and one under a
+CUDA profile: frames/s, the latest first audio, and the kernels by GPU time.
 
     python benchmarks/codec_throughput.py CHECKPOINT [--streams 32] [--frames 200] [--precisions auto,float32]
-        [--units auto,fused,unfused] [--top 12] [--out DIR]
+        [--top 12] [--out DIR]
 
 One JSON line per run (the profiled one's top kernels below it); DIR/codec_throughput.json
 (DIR: --out, else $OUT, else .). On a CPU it runs on a tiny checkpoint (no graphs, no
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import itertools
 import json
 import os
 import sys
@@ -90,7 +88,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--precisions", default="auto,float32", help="CodecWorker precisions: auto, float32")
     p.add_argument("--first-piece", type=int, default=4, help="the schedule's first piece, in frames")
     p.add_argument("--largest-piece", type=int, default=64, help="the schedule's largest piece, in frames")
-    p.add_argument("--units", default="auto", help="the back's residual units: auto (as shipped), fused, unfused")
     p.add_argument("--top", type=int, default=12, help="kernels listed from the profiled run")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where codec_throughput.json goes")
@@ -100,17 +97,15 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
     codes = [rng.integers(0, 1024, size=(engine.config.num_codebooks, a.frames)) for _ in range(a.streams)]
     out = {"environment": environment(), "streams": a.streams, "frames": a.frames, "precisions": {}}
-    fused = {"auto": None, "fused": True, "unfused": False}
-    for precision, units in itertools.product(a.precisions.split(","), a.units.split(",")):
-        worker = CodecWorker(engine, a.first_piece, a.largest_piece, precision, lanes=a.streams, fused_units=fused[units])
+    for precision in a.precisions.split(","):
+        worker = CodecWorker(engine, a.first_piece, a.largest_piece, precision, lanes=a.streams)
         t0 = time.perf_counter()
         worker.capture()
-        label = precision if units == "auto" else f"{precision}/{units}"
-        runs = out["precisions"][label] = {"capture_s": time.perf_counter() - t0, "runs": []}
-        for run in ("plain", "plain", "profiled") if cuda else ("plain", "plain"):
-            r = one_run(worker, codes, run, run == "profiled", a.top)
+        runs = out["precisions"][precision] = {"capture_s": time.perf_counter() - t0, "runs": []}
+        for label in ("plain", "plain", "profiled") if cuda else ("plain", "plain"):
+            r = one_run(worker, codes, label, label == "profiled", a.top)
             runs["runs"].append(r)
-            print(label, json.dumps({k: v for k, v in r.items() if k != "top"}), flush=True)
+            print(precision, json.dumps({k: v for k, v in r.items() if k != "top"}), flush=True)
             for name, ms in r.get("top", []):
                 print(f"    {ms:9.2f} ms  {name}", flush=True)
             with open(os.path.join(a.out, "codec_throughput.json"), "w") as f:

@@ -42,7 +42,6 @@ from torch import Tensor, nn
 
 from fish_sm.engine.generate import HostCopy, batch_sizes, to_device
 from fish_sm.errors import FishSMError
-from fish_sm.kernels import codec_units_usable, fuse_residual_units
 from fish_sm.model.codec import Codec
 from fish_sm.model.codec.layers import CausalConv1d, CausalConvTranspose1d, KVCache, State
 
@@ -268,23 +267,13 @@ class ConvBack(nn.Module):
     and piece length. A zero context is exactly the zero padding of a stream's start.
 
     On CUDA it runs over channels-last [B, C, 1, T] tensors (`conv_2d`), which cuDNN reads as
-    they are, and its (rows, length) pairs are captured as graphs by `StreamingCodec`. Its
-    narrow residual units run as one kernel each (`kernels.fuse_residual_units`) where the
-    kernel can run, unless `fused` is False."""
+    they are, and its (rows, length) pairs are captured as graphs by `StreamingCodec`."""
 
-    def __init__(self, codec: Codec, compiled: bool, channels_last: bool = False, dtype: torch.dtype | None = None,
-                 fused: bool | None = None):
+    def __init__(self, codec: Codec, compiled: bool, channels_last: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
         self.dtype = dtype or codec.dtype
-        probe = codec.decoder.model[0].conv.weight.new_empty(0, dtype=self.dtype)
-        self.fused = False if fused is None else fused
-        # Another dtype, or units swapped: a copy of the decoder (the codec's own decodes whole utterances).
-        if self.dtype == codec.dtype and not self.fused:
-            self.decoder = codec.decoder
-        else:
-            self.decoder = copy.deepcopy(codec.decoder).to(self.dtype)
-        if self.fused:
-            fuse_residual_units(self.decoder, self.dtype)
+        # Another dtype: a copy of the decoder in it (the codec's own decodes whole utterances).
+        self.decoder = codec.decoder if self.dtype == codec.dtype else copy.deepcopy(codec.decoder).to(self.dtype)
         self.audio_dtype = codec.dtype
         self.latent_dim = codec.config.latent_dim
         self.steps = codec.frame_length // codec.config.hop_length  # latent steps per code frame
@@ -382,12 +371,11 @@ class StreamingCodec:
     `allocate`). `push` takes one piece each of several lanes: their fronts batched by
     scheduled length, their backs by the length they run over, at most `max_batch_frames`
     frames a batch (bounded so that a request's first piece never waits long behind one
-    batch). On CUDA both halves replay graphs captured by `capture`. `fused_units`: the back's
-    narrow residual units as one kernel each (`ConvBack`; None: where the kernel can run)."""
+    batch). On CUDA both halves replay graphs captured by `capture`."""
 
     def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_batch_frames: int = 512,
                  back_dtype: torch.dtype | None = None, front_dtype: torch.dtype | None = None,
-                 front_tf32: bool = True, lanes: int = 0, fused_units: bool | None = None):
+                 front_tf32: bool = True, lanes: int = 0):
         self.codec, self.first, self.largest = codec, first, largest
         self.max_batch_frames = max_batch_frames
         self.use_graphs = codec.device.type == "cuda"
@@ -402,8 +390,7 @@ class StreamingCodec:
         front_dtype = front_dtype or (torch.float16 if half else codec.dtype)
         tf32 = front_tf32 if front_dtype == torch.float32 else None
         self.captures = Captures(codec.device, tf32=tf32) if self.use_graphs else None
-        self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype,
-                             fused=fused_units)
+        self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype)
         codec.front_rope(POSITIONS)  # sized once, before any graph reads it (and before a copy is made)
         self.front = FrontState(front_in(codec, front_dtype), codec.n_rows)
         # Scheduled lengths, and the frames before each piece while they double (`starts`).

@@ -1,9 +1,8 @@
-"""The decode step's and the streaming codec's fast paths (our Triton kernels, compiled
-halves, INT8 weights) and the one place they go into a model: the engine uses this module,
-nothing else imports the kernel modules beneath it. Each kernel module imports Triton only if it is there (CPU builds of
+"""The decode step's fast paths (our Triton kernels, compiled halves, INT8 weights) and the one
+place they go into a model: the engine uses this module, nothing else imports the kernel
+modules beneath it. Each kernel module imports Triton only if it is there (CPU builds of
 torch come without it) and runs the same arithmetic in torch where its kernel cannot run."""
 
-from fish_sm.kernels.codec_units import fuse_residual_units, usable as codec_units_usable
 from fish_sm.kernels.compile import compile_decode
 from fish_sm.kernels.dispatch import BATCHING, EAGER, SEQUENTIAL, Installed, install, uses_row_products
 from fish_sm.kernels.lora import AdapterSlots, adapted, with_delta
@@ -12,5 +11,5 @@ from fish_sm.kernels.sampling import (exponential_noise, noise_key, noise_keys, 
                                       pick_residual_kernels, usable as sampling_usable)
 
 __all__ = ["BATCHING", "EAGER", "SEQUENTIAL", "AdapterSlots", "Installed", "Int8Embedding", "adapted",
-           "codec_units_usable", "compile_decode", "fuse_residual_units", "exponential_noise", "install", "noise_key", "noise_keys", "pick_head_kernels",
+           "compile_decode", "exponential_noise", "install", "noise_key", "noise_keys", "pick_head_kernels",
            "pick_residual_kernels", "quantize_int8", "quantized", "sampling_usable", "uses_row_products", "with_delta"]

@@ -85,8 +85,7 @@ class CodecWorker:
     ready pieces of one scheduled length, the shortest (one piece per request, since a
     request's next piece needs the state its last one left)."""
 
-    def __init__(self, engine: Engine, first_piece: int, largest_piece: int, precision: str = "auto", lanes: int = 0,
-                 fused_units: bool | None = None):
+    def __init__(self, engine: Engine, first_piece: int, largest_piece: int, precision: str = "auto", lanes: int = 0):
         self.engine = engine
         # auto: StreamingCodec's defaults (on a GPU, float16 throughout); float32: the codec's
         # own dtype throughout.
@@ -94,7 +93,7 @@ class CodecWorker:
             raise ValueError(f"codec precision {precision!r}: choose auto or float32")
         dtype = engine.codec.dtype
         exact = {"back_dtype": dtype, "front_dtype": dtype, "front_tf32": False} if precision == "float32" else {}
-        self.codec = StreamingCodec(engine.codec, first_piece, largest_piece, fused_units=fused_units, **exact)
+        self.codec = StreamingCodec(engine.codec, first_piece, largest_piece, **exact)
         self.first, self.largest = first_piece, largest_piece
         self.lanes = Lanes()  # sized by `allocate`
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
