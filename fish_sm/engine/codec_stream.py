@@ -73,8 +73,8 @@ class Captures:
 
     `tf32`: for float32 fronts, their matmuls on TF32 tensor cores or not, as cuDNN already
     runs the codec's float32 convolutions; None for fronts in 16 bits, which leave the flag
-    alone. The flag is process-wide, so it is set only while a front is captured; its graph
-    keeps the TF32 kernels."""
+    alone. The flag is process-wide, so it is set only while a front is captured, where it
+    differs (`flips_flag`); its graph keeps the TF32 kernels."""
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None, tf32: bool | None = True):
         self.pool = torch.cuda.graph_pool_handle()
@@ -85,9 +85,14 @@ class Captures:
         # thread_local: the decode loop keeps launching on its own thread while this captures.
         return torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local")
 
+    @property
+    def flips_flag(self) -> bool:
+        """Capturing a front sets the process-wide flag to another value than it has now."""
+        return self.tf32 is not None and self.tf32 != torch.backends.cuda.matmul.allow_tf32
+
     def matmuls(self):
         """The fronts' matmul precision, for this block only."""
-        if self.tf32 is None:
+        if not self.flips_flag:
             return contextlib.nullcontext()
         return backend_flag(torch.backends.cuda.matmul, "allow_tf32", self.tf32)
 
@@ -569,7 +574,7 @@ class StreamingCodec:
         eager front. A back's first run compiles it."""
         if not self.use_graphs:
             return
-        if self.captures.tf32 is not None:  # a float32 front's capture sets a process-wide flag: never beside serving
+        if self.captures.flips_flag:  # a float32 front's capture sets a process-wide flag: never beside serving
             rows = None
         shapes = self.capture_shapes()
         self.pending_captures = [s for s in shapes if rows is not None and s[1] > rows]
