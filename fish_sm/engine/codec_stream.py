@@ -384,8 +384,6 @@ class StreamingCodec:
         self.codec, self.first, self.largest = codec, first, largest
         self.max_batch_frames = max_batch_frames
         self.use_graphs = codec.device.type == "cuda"
-        # Its own stream and pool (`Captures`); TF32 for a float32 front's matmuls: faster, at
-        # ~51 dB SNR against float32.
         self.front_tf32 = front_tf32  # (on CUDA: the CPU captures no graphs)
         # On CUDA with a float32 codec (a dtype None), both halves in float16: 10-bit mantissas,
         # as TF32 rounds its inputs, on tensor cores twice as fast. (A bfloat16 front, 7 bits,
@@ -393,6 +391,8 @@ class StreamingCodec:
         half = self.use_graphs and codec.dtype == torch.float32
         back_dtype = back_dtype or (torch.float16 if half else codec.dtype)
         front_dtype = front_dtype or (torch.float16 if half else codec.dtype)
+        # Its own stream and pool (`Captures`); TF32 for a float32 front's matmuls: faster, at
+        # ~51 dB SNR against float32.
         tf32 = front_tf32 if front_dtype == torch.float32 else None
         self.captures = Captures(codec.device, tf32=tf32) if self.use_graphs else None
         self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype)
