@@ -59,8 +59,9 @@ TIMED = [
     ("fish_sm.engine.batching.scheduler", "Scheduler", "check"),  # a step's stop checks (arrays)
     ("fish_sm.engine.generate", "HostCopy", "get"),  # waits for a copy to the host (a step's codes, audio)
     ("fish_sm.engine.batching.engine", "BatchEngine", "_retire"),  # a finished request leaves its slot
-    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_decode_next"),  # choose and decode one batch
-    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_pieces"),  # one batch of pieces through the codec
+    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_launch"),  # choose one batch and queue it
+    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_finish"),  # wait for a batch's audio, deliver it
+    ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_pieces"),  # one batch of pieces queued through the codec
     ("fish_sm.engine.codec_stream", "StreamingCodec", "push"),  # the codec's fronts and backs
     ("fish_sm.engine.batching.codec_worker", "CodecWorker", "_take_all"),  # messages taken in from the queue
 ]

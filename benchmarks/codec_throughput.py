@@ -1,11 +1,12 @@
 """The batching engine's codec alone, as served (`CodecWorker`: its thread and CUDA stream, its
 captured graphs, its batching of pieces and its hold): N streamed requests of F random frames
 each, handed over all at once so that nothing waits on the transformer. Per codec precision
-(`CodecWorker`'s `precision`: auto, as shipped, or float32), two plain runs and one under a
-CUDA profile: frames/s, the latest first audio, and the kernels by GPU time.
+(`CodecWorker`'s `precision`: auto, as shipped, or float32) and batches queued at once
+(`--depths`: the worker's `depth`, 2 as shipped), two plain runs, and one under a CUDA profile
+at the first depth: frames/s, the latest first audio, and the kernels by GPU time.
 
     python benchmarks/codec_throughput.py CHECKPOINT [--streams 32] [--frames 200] [--precisions auto,float32]
-        [--top 12] [--out DIR]
+        [--depths 2] [--top 12] [--out DIR]
 
 One JSON line per run (the profiled one's top kernels below it); DIR/codec_throughput.json
 (DIR: --out, else $OUT, else .). On a CPU it runs on a tiny checkpoint (no graphs, no
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--precisions", default="auto,float32", help="CodecWorker precisions: auto, float32")
     p.add_argument("--first-piece", type=int, default=4, help="the schedule's first piece, in frames")
     p.add_argument("--largest-piece", type=int, default=64, help="the schedule's largest piece, in frames")
+    p.add_argument("--depths", default="2", help="CodecWorker depths to run (batches on the GPU at once)")
     p.add_argument("--top", type=int, default=12, help="kernels listed from the profiled run")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where codec_throughput.json goes")
@@ -102,8 +104,11 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         worker.capture()
         runs = out["precisions"][precision] = {"capture_s": time.perf_counter() - t0, "runs": []}
-        for label in ("plain", "plain", "profiled") if cuda else ("plain", "plain"):
-            r = one_run(worker, codes, label, label == "profiled", a.top)
+        depths = [int(d) for d in a.depths.split(",")]
+        labels = [(d, "plain") for d in depths for _ in range(2)] + ([(depths[0], "profiled")] if cuda else [])
+        for depth, label in labels:
+            worker.depth = depth
+            r = dict(one_run(worker, codes, label, label == "profiled", a.top), depth=depth)
             runs["runs"].append(r)
             print(precision, json.dumps({k: v for k, v in r.items() if k != "top"}), flush=True)
             for name, ms in r.get("top", []):

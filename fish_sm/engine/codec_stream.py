@@ -22,9 +22,9 @@ of pieces costs a few copies and replays, never work per stream on the host. New
 written back to the lanes (`commit`) once the whole batch has run, so a batch that fails
 leaves every stream as it was, to be retried.
 
-A stream's last piece, when shorter than its scheduled length, has its front padded to it
-and its back run over the shortest scheduled length that holds it, not the whole scheduled
-length: the decoder is causal, so the samples kept are those it would give alone.
+A stream's last piece, when shorter than its scheduled length, runs through both halves over
+the shortest scheduled length that holds it, not the whole scheduled length: the codec is
+causal, so the samples kept are those it would give alone, and the state it leaves is never read.
 """
 
 from __future__ import annotations
@@ -351,6 +351,7 @@ class Pieces:
     def __init__(self, count: int):
         self.count = count
         self.parts: list[tuple[np.ndarray, Tensor, np.ndarray]] = []
+        self._copies: list | None = None
 
     def tensors(self) -> list[Tensor]:
         """Each piece's audio [1, samples], in order (views on the device)."""
@@ -360,9 +361,15 @@ class Pieces:
                 out[row] = audio[i : i + 1, :n]
         return out
 
+    def copy_home(self) -> "Pieces":
+        """Start each back batch's copy to the host (asynchronous, into pinned memory): `host`
+        then only waits for them."""
+        self._copies = [(rows, HostCopy(audio), lengths) for rows, audio, lengths in self.parts]
+        return self
+
     def host(self) -> list[np.ndarray]:
         """Each piece's audio as float32 samples, in order: one copy to the host a back batch."""
-        copies = [(rows, HostCopy(audio), lengths) for rows, audio, lengths in self.parts]
+        copies = self._copies if self._copies is not None else self.copy_home()._copies
         out: list[Optional[np.ndarray]] = [None] * self.count
         for rows, copy_, lengths in copies:
             audio = copy_.get().numpy()
@@ -458,18 +465,21 @@ class StreamingCodec:
         if (starts + scheduled > POSITIONS).any():
             raise FishSMError(f"a stream's audio is longer than the codec streams ({POSITIONS} frames)")
         codes = codes.long()
-        if codes.shape[-1] < scheduled.max(initial=0):
-            codes = F.pad(codes, (0, int(scheduled.max()) - codes.shape[-1]))
+        # A piece shorter than scheduled is its stream's last (the state it leaves is never
+        # read): both halves run over the shortest scheduled length that holds it.
+        lengths = np.where(frames < scheduled, self.back_frames(frames), scheduled)
+        if codes.shape[-1] < lengths.max(initial=0):
+            codes = F.pad(codes, (0, int(lengths.max()) - codes.shape[-1]))
         # The fronts grouped by length, so that each batch's codes are a slice (indexing a
         # device tensor by a host array would copy the index from pageable memory).
-        by_length = np.argsort(scheduled, kind="stable")
+        by_length = np.argsort(lengths, kind="stable")
         if (by_length != np.arange(len(by_length))).any():
             codes = codes.index_select(0, to_device(torch.from_numpy(by_length), codes.device))
         ran: list[tuple[Callable, _Ran]] = []
         latents, order = [], []
-        lengths, firsts = np.unique(scheduled[by_length], return_index=True)
+        runs, firsts = np.unique(lengths[by_length], return_index=True)
         ends = np.append(firsts[1:], len(by_length))
-        for n, first, end in zip(lengths.tolist(), firsts.tolist(), ends.tolist()):
+        for n, first, end in zip(runs.tolist(), firsts.tolist(), ends.tolist()):
             for at in range(first, end, self.rows_for(n)):
                 upto = min(at + self.rows_for(n), end)
                 rows = by_length[at:upto]

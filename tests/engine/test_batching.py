@@ -9,6 +9,7 @@ import torch
 
 from fish_sm.engine import Engine
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job, Overloaded, Ticket, batch_sizes
+from fish_sm.engine.batching.codec_worker import CaptureLock
 from fish_sm.engine.batching.runner import ModelRunner
 from fish_sm.engine.generate import HostCopy, HostStaging, admission_shape, to_device
 from fish_sm.engine.sampling import SamplingParams
@@ -317,18 +318,33 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
     np.testing.assert_allclose(after.audio, run_alone(solo, later).audio, atol=1e-4)
 
 
+def decode_next(worker: CodecWorker) -> bool:
+    """One batch of ready pieces decoded and delivered, as the worker's thread does with its
+    queue drained: False when no piece is due."""
+    batch = worker._launch()
+    if batch is None:
+        return False
+    worker._finish(batch)
+    return True
+
+
 class HandDriven:
     """A codec worker not started, driven by hand as the engine drives it: a stream opened in a
     lane per ticket, frames handed over a step (one frame a stream) at a time."""
 
     def __init__(self, worker: CodecWorker):
-        self.worker, self.events, self.lane = worker, {}, {}
+        self.worker, self.events, self.audio, self.lane = worker, {}, {}, {}
 
     def open(self, name: str, stream: bool = True) -> str:
-        ticket = Ticket(Job(TEXTS[0], stream=stream), sink=lambda event: self.events.setdefault(name, []).append(event[0]))
+        ticket = Ticket(Job(TEXTS[0], stream=stream), sink=lambda event: self._heard(name, event))
         self.lane[name] = self.worker.lanes.take()
         self.worker._take("open", self.lane[name], ticket)
         return name
+
+    def _heard(self, name: str, event) -> None:
+        self.events.setdefault(name, []).append(event[0])
+        if event[0] == "audio":
+            self.audio.setdefault(name, []).append(event[1])
 
     def give(self, name: str, codes: list) -> None:
         for frame in codes:
@@ -352,18 +368,18 @@ def test_the_codec_decodes_the_shortest_ready_pieces_first(solo):
     playing = [hand.open(f"playing{i}") for i in range(3)]
     for name in playing:
         hand.give(name, frames(4 + 8 + 16 + 32))
-    while worker._decode_next():  # their first four pieces
+    while decode_next(worker):  # their first four pieces
         pass
     assert all(hand.events[name] == ["audio"] * 4 for name in playing)
     for name in playing:
         hand.give(name, frames(64))  # a full-length piece each, ready first
     hand.open("new")
     hand.give("new", frames(4))
-    assert worker._decode_next()
+    assert decode_next(worker)
     assert hand.events["new"] == ["audio"] and all(len(hand.events[name]) == 4 for name in playing)
-    assert worker._decode_next()  # then all three full-length pieces, in one batch
+    assert decode_next(worker)  # then all three full-length pieces, in one batch
     assert all(len(hand.events[name]) == 5 for name in playing)
-    assert not worker._decode_next()
+    assert not decode_next(worker)
 
 
 def test_pieces_of_streams_with_audio_to_spare_wait_for_company(solo, monkeypatch):
@@ -381,33 +397,33 @@ def test_pieces_of_streams_with_audio_to_spare_wait_for_company(solo, monkeypatc
     frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
     a, b, whole = hand.open("a"), hand.open("b"), hand.open("whole", stream=False)
     hand.give(a, frames(4 + 8 + 16))
-    assert worker._decode_next() and worker._decode_next()  # 4, then 8: 0.56 s given, none played yet
-    assert not worker._decode_next()  # the piece of 16: 0.56 s to spare, alone in its batch, waits
+    assert decode_next(worker) and decode_next(worker)  # 4, then 8: 0.56 s given, none played yet
+    assert not decode_next(worker)  # the piece of 16: 0.56 s to spare, alone in its batch, waits
     assert worker._next_due() == pytest.approx(worker.hold_s)
     clock[0] += worker.hold_s
-    assert worker._decode_next() and len(hand.events["a"]) == 3  # due: it waited hold_s
+    assert decode_next(worker) and len(hand.events["a"]) == 3  # due: it waited hold_s
     hand.give(a, frames(32))
     hand.give(b, frames(4 + 8 + 16 + 32))
-    while worker._decode_next():  # b's first two pieces at once, a's piece of 32 and b's 16 held
+    while decode_next(worker):  # b's first two pieces at once, a's piece of 32 and b's 16 held
         pass
     assert len(hand.events["b"]) == 2 and len(hand.events["a"]) == 3
     clock[0] += worker.hold_s
-    while worker._decode_next():
+    while decode_next(worker):
         pass
     assert len(hand.events["b"]) == 4 and len(hand.events["a"]) == 4
     hand.give(a, frames(64))
     hand.give(b, frames(64))  # two pieces of 64: a full batch goes at once
-    assert worker._decode_next() and len(hand.events["a"]) == 5 and len(hand.events["b"]) == 5
+    assert decode_next(worker) and len(hand.events["a"]) == 5 and len(hand.events["b"]) == 5
     hand.give(a, frames(64))
-    assert not worker._decode_next()  # alone again, with seconds to spare
+    assert not decode_next(worker)  # alone again, with seconds to spare
     hand.finish(a, [])  # a's last frames are in: nothing of it waits now
-    assert worker._decode_next() and len(hand.events["a"]) == 6
+    assert decode_next(worker) and len(hand.events["a"]) == 6
     hand.give(whole, frames(4 + 8 + 16))  # audio wanted whole: its pieces never wait
-    assert worker._decode_next() and worker._decode_next() and worker._decode_next()
+    assert decode_next(worker) and decode_next(worker) and decode_next(worker)
     state, lane = hand.state(b)
     clock[0] = state.playing_since[lane] + state.given_s[lane] - worker.spare_s / 2  # b's listener nearly caught up
     hand.give(b, frames(64))
-    assert worker._decode_next() and len(hand.events["b"]) == 6
+    assert decode_next(worker) and len(hand.events["b"]) == 6
 
 
 def test_a_session_s_next_sentence_starts_without_waiting_for_company(solo, monkeypatch):
@@ -424,16 +440,101 @@ def test_a_session_s_next_sentence_starts_without_waiting_for_company(solo, monk
     frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
     agent = hand.open("agent")
     hand.give(agent, frames(4 + 8))
-    assert worker._decode_next() and worker._decode_next()
+    assert decode_next(worker) and decode_next(worker)
     worker._take("sentence", hand.lane[agent], 0)  # its first sentence ends with the frames given
     assert hand.events[agent] == ["audio", "audio", "spoken"]
     state, lane = hand.state(agent)
     assert state.pieces[lane] == 0 and state.spare(np.array([lane]), clock[0])[0] > worker.spare_s
     hand.give(agent, frames(4 + 8))
-    assert worker._decode_next() and hand.events[agent][-1] == "audio"  # the next sentence's first piece
-    assert not worker._decode_next()  # its second waits for company, as a stream's does
+    assert decode_next(worker) and hand.events[agent][-1] == "audio"  # the next sentence's first piece
+    assert not decode_next(worker)  # its second waits for company, as a stream's does
     clock[0] += worker.hold_s
-    assert worker._decode_next() and len(hand.events[agent]) == 5
+    assert decode_next(worker) and len(hand.events[agent]) == 5
+
+
+def test_batches_queued_ahead_give_each_stream_the_audio_of_batches_run_in_turn(solo):
+    """Two batches on the GPU at once (the worker's `depth`): a lane with a piece in the first
+    has none in the second, and every stream gets, in order, the samples that batches chosen
+    and decoded one at a time give it."""
+    rng = np.random.default_rng(5)
+    given = {f"s{i}": list(rng.integers(0, 1024, (4 + 8 + 16, solo.config.num_codebooks))) for i in range(3)}
+    heard = {}
+    for ahead in (False, True):
+        worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
+        worker.hold_s = 0
+        hand = HandDriven(worker)
+        for name, codes in given.items():
+            hand.open(name)
+            hand.give(name, codes[:4] if name == "s2" else codes)
+        if ahead:
+            first = worker._launch()  # every stream's first piece
+            hand.give("s2", given["s2"][4:])
+            second = worker._launch()
+            assert second is None  # each lane has its piece in the first batch
+            worker._finish(first)
+            second = worker._launch()
+            assert sorted(second.lanes) == [hand.lane["s0"], hand.lane["s1"], hand.lane["s2"]]
+            third = worker._launch()
+            assert third is None
+            worker._finish(second)
+            while (batch := worker._launch()) is not None:
+                ahead_of = worker._launch()  # nothing else ready: every ready lane is in `batch`
+                assert ahead_of is None
+                worker._finish(batch)
+        else:
+            assert decode_next(worker)
+            hand.give("s2", given["s2"][4:])
+            while decode_next(worker):
+                pass
+        assert all(len(hand.audio[name]) == 3 for name in given)
+        heard[ahead] = {name: np.concatenate(hand.audio[name]) for name in given}
+    for name in given:
+        np.testing.assert_array_equal(heard[True][name], heard[False][name])
+
+
+def test_a_stream_cut_or_ended_while_its_piece_is_on_the_gpu_gets_none_of_it(solo):
+    """A clear, a sentence's end or a cancel that the worker takes in while a batch holding the
+    stream's piece is still on the GPU: the cut piece's audio is not delivered (a clear), the
+    sentence's "spoken" follows its audio (its end), and a lane given back and taken by another
+    stream meanwhile never gets the old stream's audio (a cancel)."""
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
+    worker.hold_s = 0
+    hand = HandDriven(worker)
+    rng = np.random.default_rng(6)
+    frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
+    cut, ends, gone = hand.open("cut"), hand.open("ends"), hand.open("gone")
+    for name in (cut, ends, gone):
+        hand.give(name, frames(4))
+    batch = worker._launch()
+    worker._take("clear", hand.lane[cut], None)
+    worker._take("sentence", hand.lane[ends], 0)  # its sentence is the piece on the GPU
+    assert ends not in hand.events  # not spoken before its audio
+    lane = hand.lane[gone]
+    worker._take("cancel", lane, None)
+    assert worker.lanes.take() == lane
+    hand.lane["new"] = lane
+    worker._take("open", lane, Ticket(Job(TEXTS[0], stream=True), sink=lambda event: hand._heard("new", event)))
+    new_codes = frames(4)
+    hand.give("new", new_codes)
+    # A stream that starts afresh reads none of its lane's state: its piece may go at once (the
+    # GPU runs it after the flying batch, whose state it overwrites).
+    fresh = worker._launch()
+    assert list(fresh.lanes) == [lane]
+    worker._finish(batch)
+    assert hand.events[cut] == ["cleared"] and hand.events[ends] == ["audio", "spoken"]
+    assert "gone" not in hand.events and "new" not in hand.events
+    worker._finish(fresh)
+    state, _ = hand.state(cut)
+    assert state.pieces[hand.lane[cut]] == 0 and state.pieces[lane] == 1
+    hand.give(cut, frames(4))
+    while decode_next(worker):
+        pass
+    assert hand.events[cut] == ["cleared", "audio"] and hand.events["new"] == ["audio"]
+    alone = HandDriven(CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8))
+    alone.open("new")
+    alone.give("new", new_codes)
+    assert decode_next(alone.worker)
+    np.testing.assert_array_equal(hand.audio["new"][0], alone.audio["new"][0])
 
 
 def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled_length(solo):
@@ -450,20 +551,20 @@ def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled
     spoken = {name: codes(4 + 3) for name in ending}  # a first piece of 4, then a last one of 3 (8 scheduled)
     for name in ending:
         hand.give(name, spoken[name][:4])
-    while worker._decode_next():
+    while decode_next(worker):
         pass
     for name in ending:
         hand.give(name, spoken[name][4:])
         hand.finish(name, spoken[name])
-    assert worker._decode_next()
+    assert decode_next(worker)
     assert sorted(len(hand.events[name]) for name in ending) == [1, 2, 2]
     hand.open("new")
     hand.give("new", codes(4))
-    assert worker._decode_next()
+    assert decode_next(worker)
     assert hand.events["new"] == ["audio"] and sorted(len(hand.events[name]) for name in ending) == [1, 2, 2]
-    assert worker._decode_next()
+    assert decode_next(worker)
     assert all(len(hand.events[name]) == 2 for name in ending)
-    assert not worker._decode_next()
+    assert not decode_next(worker)
 
 
 def test_a_lane_ring_grows_when_a_stream_s_codec_falls_behind(solo):
@@ -529,6 +630,40 @@ def test_staged_copies_keep_every_array_through_the_ring(device):
     big = np.arange(1000)
     (out,) = staging.copy(big)
     np.testing.assert_array_equal(out.cpu().numpy(), big)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batches_queued_ahead_on_the_gpu_give_the_audio_of_batches_run_in_turn_on_cuda(tiny_checkpoint):
+    """The codec thread with two batches on the GPU at once (captured graphs replayed back to
+    back, each lane's state committed in stream order) gives every stream the samples it gives
+    with one batch at a time, streams that start in a lane given back meanwhile included."""
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cuda")
+    rng = np.random.default_rng(7)
+    waves = [[rng.integers(0, 1024, (engine.config.num_codebooks, int(n))) for n in rng.integers(30, 140, 12)]
+             for _ in range(2)]  # two waves of streams: the second's lanes are the first's, given back
+    heard = {}
+    for depth in (1, 2):
+        worker = CodecWorker(engine, first_piece=4, largest_piece=16, depth=depth, lanes=12)
+        worker.capture()
+        worker.start()
+        heard[depth] = []
+        for wave in waves:
+            tickets = [Ticket(Job("x", stream=True)) for _ in wave]
+            lanes = [worker.lanes.take() for _ in wave]
+            for lane, ticket in zip(lanes, tickets):
+                worker.open(lane, ticket)
+            for i in range(max(c.shape[1] for c in wave)):
+                live = [(lane, c[:, i]) for lane, c in zip(lanes, wave) if i < c.shape[1]]
+                worker.frames(np.array([lane for lane, _ in live]), np.stack([frame for _, frame in live]))
+                for lane, c in zip(lanes, wave):
+                    if i == c.shape[1] - 1:
+                        worker.finish(lane, [c])
+            for ticket in tickets:
+                audio = [payload for kind, payload in ticket.events() if kind == "audio"]
+                heard[depth].append(np.concatenate(audio))
+        worker.stop()
+    for one, two in zip(heard[1], heard[2]):
+        np.testing.assert_array_equal(one, two)
 
 
 SENTENCES = ["The first sentence is here.", "A second one follows it now.", "And the third ends it all."]
@@ -657,19 +792,60 @@ def test_a_cancelled_session_frees_its_slot_at_once(tiny_checkpoint):
 
 def test_graphs_left_to_capture_wait_for_an_idle_engine_or_a_load_that_needs_them(tiny_checkpoint):
     """A capture between two steps holds up every stream for its duration: the engine takes
-    one when it is idle, when a decode needed more rows than the captured steps hold, or for a
-    prompt after a kept prefix just seen (its shape wanted now), not under a load the graphs
-    it has already serve."""
-    runner = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=8).runner
-    runner._to_capture = [("decode", 8, 256, True), ("first", 8)]
+    one when it is idle, when a decode's rows are served badly by the captured steps (several
+    steps of the largest, or one more than twice their size) and the size that holds them is
+    still to be captured, which then goes first, or for a prompt after a kept prefix just seen
+    (its shape wanted now); not under a load the graphs it has already serve."""
+    runner = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cpu"), max_batch=32).runner
+    runner.ready_sizes = [1, 2, 4]
+    runner._to_capture = [entry for b in (8, 16, 32) for entry in (("decode", b, 256, True), ("decode", b, 512, False),
+                                                                   ("first", b))] + [("admission", 8, 64)]
     assert runner.capture_due(idle=True) and not runner.capture_due(idle=False)
-    runner.outgrown = True
-    assert runner.capture_due(idle=False)
-    runner.outgrown = False
+    runner._want(3)
+    assert runner.wanted is None and not runner.capture_due(idle=False)
+    runner._want(30)  # a burst: eight steps of four rows
+    assert runner.wanted == 32 and runner.capture_due(idle=False)
+    assert runner._to_capture[runner._next_capture()] == ("decode", 32, 256, True)
+    runner._to_capture = [e for e in runner._to_capture if e[:2] not in (("decode", 32), ("first", 32))]
+    runner.ready_sizes = [1, 2, 4, 32]
+    runner._want(30)
+    assert runner.wanted is None and not runner.capture_due(idle=False)
+    runner._want(5)  # eight rows' size, served by 32
+    assert runner.wanted == 8 and runner._to_capture[runner._next_capture()] == ("decode", 8, 256, True)
+    runner._want(12)  # sixteen rows' size, served by 32: near enough
+    assert runner.wanted is None
     runner._to_capture.insert(0, ("continued", 1, 64, 512))
-    assert runner.capture_due(idle=False)
+    assert runner.capture_due(idle=False) and runner._next_capture() == 0
     runner._to_capture = []
     assert not runner.capture_due(idle=True)
+
+
+def test_the_engine_s_captures_go_before_the_codec_s_capturing_thread(solo, monkeypatch):
+    """While the engine's thread needs graphs for its load (`urge`), the codec's capturing
+    thread starts no capture (it used to take the lock again as soon as it let go, and the
+    engine, and every stream, waited through all of its shapes); the engine's own capture
+    waits only for the one in progress, and the codec's resume once the urge ends."""
+    lock = CaptureLock()
+    assert lock.acquire()  # a codec capture in progress
+    lock.urge(True)
+    assert not lock.acquire(blocking=False, urgent=True)  # the engine's waits for it...
+    lock.release()
+    assert not lock.acquire(blocking=False)  # ...and the codec's next one for the engine's
+    assert lock.acquire(blocking=False, urgent=True)
+    lock.release()
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
+    worker.codec.pending_captures = [(4, 4), (8, 4)]
+    captured = []
+    monkeypatch.setattr(worker.codec, "capture_next", lambda: captured.append(worker.codec.pending_captures.pop(0)))
+    worker.capture_lock.urge(True)
+    worker.start()
+    assert worker.capture_lock.acquire(blocking=True, urgent=True)  # the engine's capture, between two steps
+    worker.capture_lock.release()
+    assert captured == []  # the codec's thread waits while the engine urges
+    worker.capture_lock.urge(False)
+    worker._capturer.join()
+    assert captured == [(4, 4), (8, 4)]
+    worker.stop()
 
 
 def test_the_codec_s_capturing_thread_takes_the_shapes_left_one_at_a_time_under_the_lock(solo, monkeypatch, caplog):

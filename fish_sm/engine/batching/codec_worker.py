@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from fish_sm.engine.codec_stream import StreamingCodec
+from fish_sm.engine.codec_stream import Pieces, StreamingCodec
 from fish_sm.engine.synthesis import Synthesis
 from fish_sm.engine.generate import to_device
 from fish_sm.engine.batching.request import EngineStopped, Ticket
@@ -78,15 +78,69 @@ class Lanes:
             self.on_release()
 
 
+class CaptureLock:
+    """One CUDA graph capture at a time, between the engine's thread and the codec's capturing
+    thread, the engine's first: while it needs graphs for the load it serves (`urge`), the
+    codec's thread starts no capture, so the engine waits at most for the one in progress. (A
+    plain lock, which the codec's thread takes again as soon as it lets go, kept the engine
+    waiting through every codec shape, ~1 s each, while the streams it serves stalled.)"""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._held = False
+        self._urged = False
+
+    def urge(self, urgent: bool) -> None:
+        """The engine's thread needs captures now (True), or no longer (False)."""
+        if urgent != self._urged:
+            with self._changed:
+                self._urged = urgent
+                self._changed.notify_all()
+
+    def acquire(self, blocking: bool = True, urgent: bool = False) -> bool:
+        """Take the lock (`blocking`: wait for it, else False at once when taken); a capture
+        that is not `urgent` also waits while one is urged."""
+        with self._changed:
+            while self._held or (self._urged and not urgent):
+                if not blocking:
+                    return False
+                self._changed.wait()
+            self._held = True
+            return True
+
+    def release(self) -> None:
+        with self._changed:
+            self._held = False
+            self._changed.notify_all()
+
+    def locked(self) -> bool:
+        return self._held
+
+    def __enter__(self) -> "CaptureLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class CodecWorker:
     """Codes to audio on a thread (and CUDA stream) of its own, piece by piece as frames
     arrive (`StreamingCodec`): streamed requests get each piece, the others one
     concatenation at the end. Before each batch everything queued is taken in; a batch is
     ready pieces of one scheduled length, the shortest (one piece per request, since a
-    request's next piece needs the state its last one left)."""
+    request's next piece needs the state its last one left: a lane with a piece in a batch on
+    the GPU has none in the next). Up to `depth` batches are on the GPU at once."""
 
-    def __init__(self, engine: Engine, first_piece: int, largest_piece: int, precision: str = "auto", lanes: int = 0):
+    def __init__(self, engine: Engine, first_piece: int, largest_piece: int, precision: str = "auto", lanes: int = 0,
+                 depth: int = 2):
         self.engine = engine
+        # Batches queued on the GPU at once: with two, the thread delivers one batch's audio and
+        # chooses the next while the GPU runs the one after (one: it waits for each in turn).
+        if depth < 1:
+            raise ValueError(f"codec depth {depth}: at least 1")
+        self.depth = depth
+        self._flying: list[_Batch] = []
         # auto: StreamingCodec's defaults (on a GPU, float16 throughout); float32: the codec's
         # own dtype throughout.
         if precision not in ("auto", "float32"):
@@ -106,8 +160,8 @@ class CodecWorker:
         # the codec decodes fewer, larger batches beside the decode loop (0: never wait).
         self.hold_s, self.spare_s = HOLD_S, SPARE_S
         # Held while a graph is captured, by this worker's capturing thread and by the engine's
-        # thread: one capture at a time.
-        self.capture_lock = threading.Lock()
+        # thread: one capture at a time, the engine's first.
+        self.capture_lock = CaptureLock()
         self._capturer: threading.Thread | None = None
         self._stopping = False
         self.on_captured: Callable[[], None] | None = None  # called after each shape is captured (the lock free)
@@ -145,6 +199,7 @@ class CodecWorker:
 
     def stop(self) -> None:
         self._stopping = True
+        self.capture_lock.urge(False)  # (the engine's thread has stopped: its urge no longer holds captures back)
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
@@ -160,6 +215,8 @@ class CodecWorker:
         with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while self.codec.capturing and not self._stopping:
                 with self.capture_lock:
+                    if self._stopping:
+                        break
                     try:
                         self.codec.capture_next()
                     except Exception:
@@ -218,27 +275,36 @@ class CodecWorker:
 
     def _serve(self) -> None:
         with torch.inference_mode(), self._on_stream():
-            running = True
-            while running:
+            stopping, waited = False, []
+            while True:
                 try:
-                    items = [self._queue.get(timeout=self._next_due())]
-                except queue.Empty:  # a held piece is due
-                    items = []
-                running = None not in items
-                try:
+                    # Take in what arrived, then keep `depth` batches on the GPU: the next one is
+                    # chosen and queued before the last one's audio is waited for and delivered,
+                    # so the GPU is not idle while this thread does that host work.
+                    items, waited = waited + self._drain(), []
+                    stopping = stopping or None in items
                     self._take_all(items)
-                    # One batch at a time, taking in what arrived meanwhile before choosing the
-                    # next: a request's first piece waits behind one batch, not a whole round.
-                    while self._decode_next():
+                    if len(self._flying) < self.depth:
+                        batch = self._launch()
+                        if batch is not None:
+                            self._flying.append(batch)
+                            continue
+                    if self._flying:
+                        self._finish(self._flying.pop(0))
                         self._summarise_finished()
-                        items = self._drain()
-                        running = running and None not in items
-                        self._take_all(items)
+                        continue
                     self._summarise_finished()
                 except Exception as exc:  # never a dead codec thread: whoever it held gets the error
                     logger.exception("codec worker failed")
+                    self._flying.clear()
                     for lane in self._open_lanes():
                         self._drop(lane).ticket.emit("error", exc)
+                if stopping:
+                    return
+                try:  # (outside the batch's handling: a failure here stops the thread, see `_run`)
+                    waited = [self._queue.get(timeout=self._next_due())]
+                except queue.Empty:  # a held piece is due
+                    waited = []
 
     def _drain(self) -> list:
         items = []
@@ -270,13 +336,15 @@ class CodecWorker:
             return
         if kind == "cancel" or entry.ticket.cancelled:
             self._drop(lane)
-        elif kind == "clear":
+        elif kind == "clear":  # (a batch in flight with its pieces is not delivered: `_finish`)
             s.consumed[lane] = s.received[lane]
             s.pieces[lane], s.ready_since[lane], s.sentence_left[lane] = 0, 0.0, -1
+            s.flying[lane] = 0
+            s.generation[lane] += 1
             entry.sentences.clear()
             entry.ticket.emit("cleared", None)
-        elif kind == "sentence":
-            pending = int(s.received[lane] - s.consumed[lane])
+        elif kind == "sentence":  # (its frames in flight still count: their audio is not out yet)
+            pending = int(s.received[lane] - s.consumed[lane] + s.flying[lane])
             entry.sentences.append([pending - sum(n for n, _ in entry.sentences), payload])
             self._sentences_done(lane, entry)
         else:
@@ -298,7 +366,7 @@ class CodecWorker:
         frames are in, or the stream has finished (its last piece may be short), or a session's
         sentence ends within it (then the piece ends with the sentence)."""
         s = self._state
-        lanes = np.flatnonzero(s.active)
+        lanes = np.flatnonzero(s.active & (s.flying == 0))  # (a lane's next piece needs its last one's state)
         if not lanes.size:
             return lanes, lanes
         need = np.minimum(self.first << np.minimum(s.pieces[lanes], 30), self.largest)
@@ -308,22 +376,22 @@ class CodecWorker:
         ready = ((need > 0) & (pending >= need)) | (s.finished[lanes] & (pending > 0))
         return lanes[ready], need[ready]
 
-    def _decode_next(self) -> bool:
-        """Decode one batch of ready pieces, the shortest ones (a request's first pieces go
-        before the long pieces of requests already playing), and deliver it; False when no
-        piece is due. A group of pieces waits (`_held`) while it is short of a full batch and
-        every stream in it has audio to spare."""
+    def _launch(self) -> "_Batch | None":
+        """Queue one batch of ready pieces on the GPU, the shortest ones (a request's first
+        pieces go before the long pieces of requests already playing), their audio's copy home
+        with it; None when no piece is due. A group of pieces waits (`_held`) while it is short
+        of a full batch and every stream in it has audio to spare."""
         s = self._state
         lanes, need = self._ready()
         if not lanes.size:
-            return False
+            return None
         now = time.perf_counter()
         s.ready_since[lanes] = np.where(s.ready_since[lanes] > 0, s.ready_since[lanes], now)
         # By scheduled length, what a piece costs (a last, shorter piece is padded to it), so
         # streams ending together go a batch at a time and first pieces go between.
         due = [n for n in np.unique(need) if not self._held(int(n), lanes[need == n], now)]
         if not due:
-            return False
+            return None
         n = int(min(due))
         group = lanes[need == n]
         group = group[np.lexsort((group, s.ready_since[group]))][: self.codec.rows_for(n)]  # longest ready first
@@ -331,16 +399,32 @@ class CodecWorker:
         codes = s.read(group, n)  # [rows, C, n]: a short last piece's tail is padding, cut below
         s.consumed[group] += taken
         s.ready_since[group] = 0.0
-        for lane, samples, frames in zip(group, self._decode_group(group, codes, taken), taken):
-            entry = self._audio[lane]
-            if samples is None or entry is None:
+        s.flying[group] = taken
+        batch = _Batch(group, taken, [self._audio[lane] for lane in group], s.generation[group].copy())
+        try:
+            batch.pieces = self._pieces(group, codes, taken)
+        except Exception:  # find the one that fails: each alone (their states are as they were)
+            logger.exception("codec failed on a batch of %d pieces; retrying them one by one", len(group))
+            batch.audio = self._one_by_one(group, codes, taken)
+        return batch
+
+    def _finish(self, batch: "_Batch") -> None:
+        """Wait for a launched batch's audio and deliver each piece, unless its stream was cut
+        (a clear) or ended (a cancel, its lane maybe taken by another stream) meanwhile."""
+        audio = batch.audio if batch.audio is not None else batch.pieces.host()
+        s = self._state
+        for lane, entry, generation, samples, frames in zip(batch.lanes, batch.entries, batch.generations, audio,
+                                                            batch.taken):
+            if self._audio[lane] is not entry or s.generation[lane] != generation:
+                continue
+            s.flying[lane] = 0
+            if samples is None:
                 continue
             s.pieces[lane] += 1
             self._deliver(lane, entry, samples)
             if entry.sentences:
                 entry.sentences[0][0] -= int(frames)
                 self._sentences_done(lane, entry)
-        return True
 
     def _sentences_done(self, lane: int, entry: "_Audio") -> None:
         """Sentences whose audio is all out: their end is said, the next starts a new codec stream."""
@@ -375,30 +459,28 @@ class CodecWorker:
 
     def _summarise_finished(self) -> None:
         s = self._state
-        for lane in np.flatnonzero(s.active & s.finished & (s.received == s.consumed)):
+        for lane in np.flatnonzero(s.active & s.finished & (s.received == s.consumed) & (s.flying == 0)):
             self._summarise(self._drop(int(lane)))
 
-    def _decode_group(self, lanes: np.ndarray, codes: np.ndarray, taken: np.ndarray) -> list[np.ndarray | None]:
-        try:
-            return self._pieces(lanes, codes, taken)
-        except Exception:  # find the one that fails: each alone (their states are as they were)
-            logger.exception("codec failed on a batch of %d pieces; retrying them one by one", len(lanes))
+    def _one_by_one(self, lanes: np.ndarray, codes: np.ndarray, taken: np.ndarray) -> list[np.ndarray | None]:
+        """A batch that failed, piece by piece: the piece that fails again fails its request alone."""
         audio = []
         for i, lane in enumerate(lanes):
             try:
-                audio += self._pieces(lanes[i : i + 1], codes[i : i + 1], taken[i : i + 1])
+                audio += self._pieces(lanes[i : i + 1], codes[i : i + 1], taken[i : i + 1]).host()
             except Exception as exc:
                 self._drop(lane).ticket.emit("error", exc)
                 audio.append(None)
         return audio
 
-    def _pieces(self, lanes: np.ndarray, codes: np.ndarray, taken: np.ndarray) -> list[np.ndarray]:
-        """One batch of pieces through the codec: their codes to the GPU in one copy (through
-        pinned memory, `to_device`: a pageable copy waits for the whole batch inside the driver,
-        and the decode loop's CUDA calls wait with it), their audio back in one a back batch.
-        A batch that raises leaves its streams' states as they were (`StreamingCodec.push`)."""
+    def _pieces(self, lanes: np.ndarray, codes: np.ndarray, taken: np.ndarray) -> Pieces:
+        """One batch of pieces queued through the codec: their codes to the GPU in one copy
+        (through pinned memory, `to_device`: a pageable copy waits for the whole batch inside
+        the driver, and the decode loop's CUDA calls wait with it), their audio's copies home
+        started, one a back batch. A batch that raises leaves its streams' states as they were
+        (`StreamingCodec.push`)."""
         on_device = to_device(torch.from_numpy(codes), self.engine.device)
-        return self.codec.push(lanes, self._state.pieces[lanes], on_device, taken).host()
+        return self.codec.push(lanes, self._state.pieces[lanes], on_device, taken).copy_home()
 
     def _deliver(self, lane: int, entry: "_Audio", samples: np.ndarray) -> None:
         ticket = entry.ticket
@@ -427,6 +509,20 @@ class CodecWorker:
 
 
 @dataclass
+class _Batch:
+    """A batch of pieces queued on the GPU: its lanes, the frames each piece took, each lane's
+    stream and generation when it was queued, and its audio on the way home (`pieces`), or
+    already home (`audio`: a failed batch retried piece by piece)."""
+
+    lanes: np.ndarray
+    taken: np.ndarray
+    entries: list
+    generations: np.ndarray
+    pieces: Pieces | None = None
+    audio: list | None = None
+
+
+@dataclass
 class _Audio:
     """What a lane's stream keeps besides its arrays: its ticket and, for a whole request,
     its audio so far."""
@@ -452,6 +548,8 @@ class _LaneState:
         self.consumed = np.zeros(lanes, np.int64)
         self.pieces = np.zeros(lanes, np.int64)  # pieces its codec stream has decoded (0: starts afresh)
         self.sentence_left = np.full(lanes, -1, np.int64)  # frames left in its first ended sentence (-1: none)
+        self.flying = np.zeros(lanes, np.int64)  # frames of its piece in a batch on the GPU (0: none)
+        self.generation = np.zeros(lanes, np.int64)  # moves on when its stream opens or is cut (a clear)
         self.ready_since = np.zeros(lanes)  # when its next piece's frames were all there (0: not yet)
         self.playing_since = np.zeros(lanes)  # its first audio (streamed)
         self.given_s = np.zeros(lanes)  # audio streamed so far, in seconds
@@ -459,8 +557,9 @@ class _LaneState:
 
     def open(self, lane: int, stream: bool) -> None:
         self.active[lane], self.stream[lane], self.finished[lane] = True, stream, False
-        self.received[lane] = self.consumed[lane] = self.pieces[lane] = 0
+        self.received[lane] = self.consumed[lane] = self.pieces[lane] = self.flying[lane] = 0
         self.sentence_left[lane] = -1
+        self.generation[lane] += 1
         self.ready_since[lane] = self.playing_since[lane] = self.given_s[lane] = 0.0
 
     def write(self, lanes: np.ndarray, codes: np.ndarray) -> None:

@@ -297,7 +297,9 @@ class BatchEngine:
                     pending = step
                     self.stats.step(bool(step), began)
                     idle = not step and not first
-                    captured = self.runner.capture_due(idle) and self._capture_next(wait=not idle)
+                    due = self.runner.capture_due(idle)
+                    self._codec.capture_lock.urge(due and not idle)  # the codec's captures wait meanwhile
+                    captured = due and self._capture_next(wait=not idle)
                     if idle and not captured:
                         self._wait_for_turn()
                 except Exception as exc:  # a failure of the shared step fails every request in it
@@ -343,7 +345,7 @@ class BatchEngine:
         """One graph between two steps, once the codec's capturing thread lets go of the capture
         lock (one capture at a time); `wait`: for the lock (the load needs the graph), else only
         if it is free (idle: the codec's capture, when done, wakes the loop to try again)."""
-        if not self._codec.capture_lock.acquire(blocking=wait):
+        if not self._codec.capture_lock.acquire(blocking=wait, urgent=True):
             return False
         try:
             self.runner.capture_next()

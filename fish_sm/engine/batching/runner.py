@@ -15,6 +15,8 @@ request with a packaged voice prefills only its own text."""
 
 from __future__ import annotations
 
+import bisect
+
 import collections
 import hashlib
 import logging
@@ -100,7 +102,9 @@ class ModelRunner:
         self.ready_sizes: list[int] = []  # batch sizes whose decode steps are captured for every bucket
         self._to_capture: list[tuple] = []  # what `capture_next` captures, in order
         self._queued: set[tuple] = set()  # continuations queued for capture (`_admission`)
-        self.outgrown = False  # the last decode took more rows than the largest captured step
+        # The batch size the last decode wanted and found not captured, where the captured ones
+        # fit it badly (`_want`): captured next, between two steps.
+        self.wanted: int | None = None
         self.steps = 0
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int,
@@ -167,22 +171,42 @@ class ModelRunner:
 
     def capture_due(self, idle: bool) -> bool:
         """Whether to capture the next graph now, between two steps: when the engine is `idle`,
-        when the load has outgrown the captured batch sizes (a decode took several steps), or
-        for a prefix's continuation, first seen: a capture holds up every stream for its
-        duration (0.05-0.7 s), which only a use for the graph pays for."""
-        return bool(self._to_capture) and (idle or self.outgrown or self._to_capture[0][0] == "continued")
+        when the load wants a batch size the captured ones fit badly (`wanted`), or for a
+        prefix's continuation, first seen: a capture holds up every stream for its duration
+        (0.05-0.7 s), which only a use for the graph pays for."""
+        return bool(self._to_capture) and (idle or self.wanted is not None or self._to_capture[0][0] == "continued")
+
+    def _want(self, rows: int) -> None:
+        """After a decode of `rows` rows: the batch size that holds them is `wanted` when it is
+        still to be captured and the captured sizes fit the load badly: it took several steps
+        of the largest, or one of more than twice the rows' size. A burst right after start-up
+        then waits for the captures of the one size it needs, not of every size below it."""
+        size = next(b for b in self.batch_sizes if b >= rows)
+        used = next((b for b in self.ready_sizes if b >= rows), None)
+        pending = any(kind in ("decode", "first") and args[0] == size for kind, *args in self._to_capture)
+        self.wanted = size if pending and (used is None or used > 2 * size) else None
+
+    def _next_capture(self) -> int:
+        """Where in `_to_capture` the next capture is: a continuation first seen, else the
+        wanted batch size's graphs (its decode steps, then its first frames), else the first."""
+        if self.wanted is None or self._to_capture[0][0] == "continued":
+            return 0
+        return next((i for i, (kind, *args) in enumerate(self._to_capture)
+                     if kind in ("decode", "first") and args[0] == self.wanted), 0)
 
     @torch.inference_mode()
     def capture_next(self) -> None:
         """Capture the next graph left by `capture` (into the scratch row: no request's rows change)."""
-        kind, *args = self._to_capture.pop(0)
+        kind, *args = self._to_capture.pop(self._next_capture())
         step = self.captured
         if kind == "decode":
             batch, bucket, warm_up = args
             step.capture(batch, bucket, warm_up)
         elif kind == "first":
             step.capture_first(*args)
-            self.ready_sizes.append(args[0])  # its decode steps came just before
+            bisect.insort(self.ready_sizes, args[0])  # its decode steps came just before
+            if self.wanted == args[0]:
+                self.wanted = None
         elif kind == "continued":
             step.capture_continuation(*args)
             return
@@ -398,7 +422,8 @@ class ModelRunner:
         if not slots.size:
             return []
         most = self.ready_sizes[-1] if self.captured is not None else len(slots)
-        self.outgrown = len(slots) > most
+        if self._to_capture:
+            self._want(len(slots))
         steps = [self._decode_rows(slots[start : start + most]) for start in range(0, len(slots), most)]
         self.steps += 1
         return steps
