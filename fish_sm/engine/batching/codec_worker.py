@@ -358,6 +358,7 @@ class CodecWorker:
         """The lane's stream is over: its state goes and the lane is given back."""
         entry, self._audio[lane] = self._audio[lane], None
         self._state.active[lane] = False
+        self._state.generation[lane] += 1  # (a batch in flight with its piece is not delivered: `_finish`)
         self.lanes.release(lane)
         return entry
 
@@ -400,7 +401,7 @@ class CodecWorker:
         s.consumed[group] += taken
         s.ready_since[group] = 0.0
         s.flying[group] = taken
-        batch = _Batch(group, taken, [self._audio[lane] for lane in group], s.generation[group].copy())
+        batch = _Batch(group, taken, s.generation[group].copy())
         try:
             batch.pieces = self._pieces(group, codes, taken)
         except Exception:  # find the one that fails: each alone (their states are as they were)
@@ -413,13 +414,11 @@ class CodecWorker:
         (a clear) or ended (a cancel, its lane maybe taken by another stream) meanwhile."""
         audio = batch.audio if batch.audio is not None else batch.pieces.host()
         s = self._state
-        for lane, entry, generation, samples, frames in zip(batch.lanes, batch.entries, batch.generations, audio,
-                                                            batch.taken):
-            if self._audio[lane] is not entry or s.generation[lane] != generation:
+        for lane, generation, samples, frames in zip(batch.lanes, batch.generations, audio, batch.taken):
+            if s.generation[lane] != generation:  # (a piece that failed alone ended its stream too)
                 continue
+            entry = self._audio[lane]
             s.flying[lane] = 0
-            if samples is None:
-                continue
             s.pieces[lane] += 1
             self._deliver(lane, entry, samples)
             if entry.sentences:
@@ -511,12 +510,11 @@ class CodecWorker:
 @dataclass
 class _Batch:
     """A batch of pieces queued on the GPU: its lanes, the frames each piece took, each lane's
-    stream and generation when it was queued, and its audio on the way home (`pieces`), or
-    already home (`audio`: a failed batch retried piece by piece)."""
+    generation when it was queued, and its audio on the way home (`pieces`), or already home
+    (`audio`: a failed batch retried piece by piece)."""
 
     lanes: np.ndarray
     taken: np.ndarray
-    entries: list
     generations: np.ndarray
     pieces: Pieces | None = None
     audio: list | None = None
@@ -549,7 +547,7 @@ class _LaneState:
         self.pieces = np.zeros(lanes, np.int64)  # pieces its codec stream has decoded (0: starts afresh)
         self.sentence_left = np.full(lanes, -1, np.int64)  # frames left in its first ended sentence (-1: none)
         self.flying = np.zeros(lanes, np.int64)  # frames of its piece in a batch on the GPU (0: none)
-        self.generation = np.zeros(lanes, np.int64)  # moves on when its stream opens or is cut (a clear)
+        self.generation = np.zeros(lanes, np.int64)  # moves on when its stream ends or is cut (a clear)
         self.ready_since = np.zeros(lanes)  # when its next piece's frames were all there (0: not yet)
         self.playing_since = np.zeros(lanes)  # its first audio (streamed)
         self.given_s = np.zeros(lanes)  # audio streamed so far, in seconds
@@ -559,7 +557,6 @@ class _LaneState:
         self.active[lane], self.stream[lane], self.finished[lane] = True, stream, False
         self.received[lane] = self.consumed[lane] = self.pieces[lane] = self.flying[lane] = 0
         self.sentence_left[lane] = -1
-        self.generation[lane] += 1
         self.ready_since[lane] = self.playing_since[lane] = self.given_s[lane] = 0.0
 
     def write(self, lanes: np.ndarray, codes: np.ndarray) -> None:

@@ -16,7 +16,6 @@ request with a packaged voice prefills only its own text."""
 from __future__ import annotations
 
 import bisect
-
 import collections
 import hashlib
 import logging
