@@ -357,99 +357,147 @@ class HandDriven:
         return self.worker._state, self.lane[name]
 
 
-def test_the_codec_decodes_the_shortest_ready_pieces_first(solo):
-    """A new request's first piece goes before the full-length pieces of requests already
-    playing, though theirs were ready first: it waits behind one batch, not a round of all."""
+def frozen_clock(monkeypatch) -> list[float]:
+    """The codec worker's clock, moved by hand."""
+    from fish_sm.engine.batching import codec_worker
+
+    clock = [100.0]
+    monkeypatch.setattr(codec_worker.time, "perf_counter", lambda: clock[0])
+    return clock
+
+
+def test_with_nothing_on_the_gpu_every_ready_piece_goes_in_one_batch(solo):
+    """Pieces of several lengths, first pieces and long ones, share a batch when the GPU has
+    none: no piece waits behind a round of others."""
     worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
-    worker.hold_s = 0  # no piece waits for company (see the next test)
     hand = HandDriven(worker)
     rng = np.random.default_rng(0)
     frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
     playing = [hand.open(f"playing{i}") for i in range(3)]
     for name in playing:
         hand.give(name, frames(4 + 8 + 16 + 32))
-    while decode_next(worker):  # their first four pieces
+    while decode_next(worker):  # their first four pieces, one batch each
         pass
     assert all(hand.events[name] == ["audio"] * 4 for name in playing)
     for name in playing:
-        hand.give(name, frames(64))  # a full-length piece each, ready first
+        hand.give(name, frames(64))
     hand.open("new")
     hand.give("new", frames(4))
-    assert decode_next(worker)
-    assert hand.events["new"] == ["audio"] and all(len(hand.events[name]) == 4 for name in playing)
-    assert decode_next(worker)  # then all three full-length pieces, in one batch
-    assert all(len(hand.events[name]) == 5 for name in playing)
+    batch = worker._launch()
+    assert sorted(batch.taken.tolist()) == [4, 64, 64, 64]
+    worker._finish(batch)
+    assert hand.events["new"] == ["audio"] and all(len(hand.events[name]) == 5 for name in playing)
     assert not decode_next(worker)
 
 
-def test_pieces_of_streams_with_audio_to_spare_wait_for_company(solo, monkeypatch):
-    """A stream's first pieces go at once; once it has more than `spare_s` of audio unplayed,
-    its next pieces wait, up to `hold_s`, for a batch of their length to fill; a stream that
-    has finished, or whose audio is wanted whole, never waits."""
-    from fish_sm.engine.batching import codec_worker
-
-    clock = [100.0]
-    monkeypatch.setattr(codec_worker.time, "perf_counter", lambda: clock[0])
-    worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
+def test_while_a_batch_is_on_the_gpu_pieces_with_audio_to_spare_wait(solo, monkeypatch):
+    """With a batch on the GPU, a piece goes in the next only when it is urgent (its listener
+    has less than `spare_s` of audio left, or it is a stream's first or last piece) or a full
+    batch of its length is ready; the others wait for the batch, gathering company. A whole
+    request's piece waits at most `whole_wait_s`."""
+    clock = frozen_clock(monkeypatch)
+    worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=16)
     worker.codec.max_batch_frames = 128  # two pieces of 64 fill a batch
     hand = HandDriven(worker)
     rng = np.random.default_rng(2)
     frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
-    a, b, whole = hand.open("a"), hand.open("b"), hand.open("whole", stream=False)
-    hand.give(a, frames(4 + 8 + 16))
-    assert decode_next(worker) and decode_next(worker)  # 4, then 8: 0.56 s given, none played yet
-    assert not decode_next(worker)  # the piece of 16: 0.56 s to spare, alone in its batch, waits
-    assert worker._next_due() == pytest.approx(worker.hold_s)
-    clock[0] += worker.hold_s
-    assert decode_next(worker) and len(hand.events["a"]) == 3  # due: it waited hold_s
-    hand.give(a, frames(32))
+    a, b, other, whole = hand.open("a"), hand.open("b"), hand.open("other"), hand.open("whole", stream=False)
+    hand.give(a, frames(4 + 8 + 16 + 32))
     hand.give(b, frames(4 + 8 + 16 + 32))
-    while decode_next(worker):  # b's first two pieces at once, a's piece of 32 and b's 16 held
+    hand.give(other, frames(4 + 8))
+    while decode_next(worker):  # a and b: 2.79 s of audio given, other 0.56 s, none played yet
         pass
-    assert len(hand.events["b"]) == 2 and len(hand.events["a"]) == 3
-    clock[0] += worker.hold_s
-    while decode_next(worker):
-        pass
-    assert len(hand.events["b"]) == 4 and len(hand.events["a"]) == 4
+
+    def first_piece(name: str):
+        hand.open(name)
+        hand.give(name, frames(4))
+        return worker._launch()
+
+    flying = first_piece("x0")
+    assert flying.lanes.tolist() == [hand.lane["x0"]]
     hand.give(a, frames(64))
-    hand.give(b, frames(64))  # two pieces of 64: a full batch goes at once
-    assert decode_next(worker) and len(hand.events["a"]) == 5 and len(hand.events["b"]) == 5
-    hand.give(a, frames(64))
-    assert not decode_next(worker)  # alone again, with seconds to spare
-    hand.finish(a, [])  # a's last frames are in: nothing of it waits now
-    assert decode_next(worker) and len(hand.events["a"]) == 6
-    hand.give(whole, frames(4 + 8 + 16))  # audio wanted whole: its pieces never wait
-    assert decode_next(worker) and decode_next(worker) and decode_next(worker)
-    state, lane = hand.state(b)
-    clock[0] = state.playing_since[lane] + state.given_s[lane] - worker.spare_s / 2  # b's listener nearly caught up
+    hand.give(other, frames(16))
+    assert worker._launch() is None  # both have audio to spare: they wait for the batch on the GPU
+    state, lane = hand.state(other)
+    clock[0] = state.playing_since[lane] + state.given_s[lane] - worker.spare_s / 2  # its listener nearly caught up
+    due = worker._launch()
+    assert due.lanes.tolist() == [lane]  # a, with seconds left, still waits
     hand.give(b, frames(64))
-    assert decode_next(worker) and len(hand.events["b"]) == 6
+    full = worker._launch()  # two pieces of 64: a full batch goes
+    assert sorted(full.lanes.tolist()) == sorted([hand.lane[a], hand.lane[b]])
+    for batch in (flying, due, full):
+        worker._finish(batch)
+    assert [len(hand.events[name]) for name in (a, b, other)] == [5, 5, 3]
+
+    flying = first_piece("x1")
+    fresh = first_piece("x2")  # a stream's first piece goes at once, beside a batch on the GPU
+    assert fresh.lanes.tolist() == [hand.lane["x2"]]
+    hand.give(whole, frames(4))
+    started = worker._launch()
+    assert started.lanes.tolist() == [hand.lane[whole]]  # a whole request's first piece too
+    worker._finish(started)  # (the other two still on the GPU)
+    hand.give(whole, frames(8))
+    hand.give(a, frames(30))  # short of a's next piece
+    assert worker._launch() is None  # the whole request's second piece waits ...
+    clock[0] += worker.whole_wait_s
+    assert worker._launch().lanes.tolist() == [hand.lane[whole]]  # ... whole_wait_s at most
+    hand.finish(a, [])  # a's last frames are in: its short last piece goes at once
+    last = worker._launch()
+    assert last.lanes.tolist() == [hand.lane[a]] and last.taken.tolist() == [30]
+
+
+def test_a_batch_holds_the_pieces_wanted_soonest(solo, monkeypatch):
+    """More pieces due than a batch holds (`max_frames`): those whose listeners run out of
+    audio first go, the others in the next batch."""
+    frozen_clock(monkeypatch)  # (deadlines from given audio alone)
+    worker = CodecWorker(solo, first_piece=4, largest_piece=8, lanes=8)
+    worker.codec.max_batch_frames = 8  # a batch of at most 16 frames: two pieces of 8
+    hand = HandDriven(worker)
+    rng = np.random.default_rng(1)
+    frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
+    names = [hand.open(f"s{i}") for i in range(4)]
+    for i, name in enumerate(names):  # s3 has the least audio given, s0 the most
+        hand.give(name, frames(4 + 8 * (3 - i)))
+        while decode_next(worker):
+            pass
+    for name in names:
+        hand.give(name, frames(8))
+    ahead = worker._launch()  # nothing on the GPU: every piece is due, two at a time
+    assert sorted(ahead.lanes.tolist()) == sorted([hand.lane["s3"], hand.lane["s2"]])
+    following = worker._launch()
+    assert sorted(following.lanes.tolist()) == sorted([hand.lane["s1"], hand.lane["s0"]])
+    worker._finish(ahead)
+    worker._finish(following)
+    assert [len(hand.events[name]) for name in names] == [5, 4, 3, 2]
 
 
 def test_a_session_s_next_sentence_starts_without_waiting_for_company(solo, monkeypatch):
-    """A session's next sentence starts a codec stream afresh: its first piece goes at once,
-    though the listener has seconds of the last sentence to play; its next piece waits as a
-    stream's would."""
-    from fish_sm.engine.batching import codec_worker
-
-    clock = [100.0]
-    monkeypatch.setattr(codec_worker.time, "perf_counter", lambda: clock[0])
+    """A session's next sentence starts a codec stream afresh: its first piece goes at once
+    beside a batch on the GPU, though the listener has seconds of the last sentence to play;
+    its next piece waits as a stream's would."""
+    frozen_clock(monkeypatch)
     worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
     hand = HandDriven(worker)
     rng = np.random.default_rng(4)
     frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
-    agent = hand.open("agent")
-    hand.give(agent, frames(4 + 8))
-    assert decode_next(worker) and decode_next(worker)
+    agent, other = hand.open("agent"), hand.open("other")
+    hand.give(agent, frames(4 + 8 + 16))
+    while decode_next(worker):
+        pass
     worker._take("sentence", hand.lane[agent], 0)  # its first sentence ends with the frames given
-    assert hand.events[agent] == ["audio", "audio", "spoken"]
+    assert hand.events[agent] == ["audio", "audio", "audio", "spoken"]
     state, lane = hand.state(agent)
-    assert state.pieces[lane] == 0 and state.spare(np.array([lane]), clock[0])[0] > worker.spare_s
+    assert state.pieces[lane] == 0 and state.spare(np.array([lane]), 100.0)[0] > worker.spare_s
+    hand.give(other, frames(4))
+    flying = worker._launch()
     hand.give(agent, frames(4 + 8))
-    assert decode_next(worker) and hand.events[agent][-1] == "audio"  # the next sentence's first piece
-    assert not decode_next(worker)  # its second waits for company, as a stream's does
-    clock[0] += worker.hold_s
-    assert decode_next(worker) and len(hand.events[agent]) == 5
+    first = worker._launch()
+    assert first.lanes.tolist() == [lane]  # the next sentence's first piece
+    worker._finish(first)
+    assert hand.events[agent][-1] == "audio"
+    assert worker._launch() is None  # its second waits for company, as a stream's does
+    worker._finish(flying)
+    assert decode_next(worker) and len(hand.events[agent]) == 6
 
 
 def test_batches_queued_ahead_give_each_stream_the_audio_of_batches_run_in_turn(solo):
@@ -461,7 +509,6 @@ def test_batches_queued_ahead_give_each_stream_the_audio_of_batches_run_in_turn(
     heard = {}
     for ahead in (False, True):
         worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
-        worker.hold_s = 0
         hand = HandDriven(worker)
         for name, codes in given.items():
             hand.open(name)
@@ -498,7 +545,6 @@ def test_a_stream_cut_or_ended_while_its_piece_is_on_the_gpu_gets_none_of_it(sol
     sentence's "spoken" follows its audio (its end), and a lane given back and taken by another
     stream meanwhile never gets the old stream's audio (a cancel)."""
     worker = CodecWorker(solo, first_piece=4, largest_piece=64, lanes=8)
-    worker.hold_s = 0
     hand = HandDriven(worker)
     rng = np.random.default_rng(6)
     frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
@@ -535,36 +581,6 @@ def test_a_stream_cut_or_ended_while_its_piece_is_on_the_gpu_gets_none_of_it(sol
     alone.give("new", new_codes)
     assert decode_next(alone.worker)
     np.testing.assert_array_equal(hand.audio["new"][0], alone.audio["new"][0])
-
-
-def test_last_pieces_of_streams_ending_together_go_in_batches_of_their_scheduled_length(solo):
-    """A last piece shorter than scheduled is padded to its scheduled length, so it is batched
-    and ordered as one of that length: a burst of streams ending together goes a batch at a
-    time, and a first piece ready meanwhile goes between two batches, not after them all."""
-    worker = CodecWorker(solo, first_piece=4, largest_piece=8, lanes=8)
-    worker.codec.max_batch_frames = 16  # pieces of 8 frames go two at a time
-    worker.hold_s = 0
-    hand = HandDriven(worker)
-    rng = np.random.default_rng(1)
-    codes = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))
-    ending = [hand.open(f"ending{i}") for i in range(3)]
-    spoken = {name: codes(4 + 3) for name in ending}  # a first piece of 4, then a last one of 3 (8 scheduled)
-    for name in ending:
-        hand.give(name, spoken[name][:4])
-    while decode_next(worker):
-        pass
-    for name in ending:
-        hand.give(name, spoken[name][4:])
-        hand.finish(name, spoken[name])
-    assert decode_next(worker)
-    assert sorted(len(hand.events[name]) for name in ending) == [1, 2, 2]
-    hand.open("new")
-    hand.give("new", codes(4))
-    assert decode_next(worker)
-    assert hand.events["new"] == ["audio"] and sorted(len(hand.events[name]) for name in ending) == [1, 2, 2]
-    assert decode_next(worker)
-    assert all(len(hand.events[name]) == 2 for name in ending)
-    assert not decode_next(worker)
 
 
 def test_a_lane_ring_grows_when_a_stream_s_codec_falls_behind(solo):

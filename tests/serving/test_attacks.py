@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import queue
 import socket
 import struct
 import threading
@@ -453,11 +454,18 @@ def test_a_codec_thread_that_fails_stops_the_engine(package_dir, tmp_path):
     with in_process_server(package_dir, tmp_path) as (url, core):
         batcher = core.core.batcher
 
-        def broken():
-            raise RuntimeError("a bug in the codec loop")
+        class Broken:  # the codec thread's queue, failing at its next wait
+            def get_nowait(self):
+                raise queue.Empty
 
-        batcher._codec._next_due = broken
-        batcher._codec._queue.put([])  # wake it: its next wait fails
+            def get(self):
+                raise RuntimeError("a bug in the codec loop")
+
+            def put(self, item):
+                pass
+
+        waiting, batcher._codec._queue = batcher._codec._queue, Broken()
+        waiting.put([])  # wake it: its next wait fails
         deadline = time.monotonic() + 10
         while request(url + "/ping")[0] != 503:  # the core notices, says so, and ends
             assert time.monotonic() < deadline

@@ -32,9 +32,9 @@ if TYPE_CHECKING:  # (the engine builds batching engines over itself: no import 
 
 logger = logging.getLogger("fish_sm.batching")
 
-# A piece of a stream with more than SPARE_S seconds of audio unplayed may wait up to HOLD_S for
-# others of its length (CodecWorker._held).
-HOLD_S, SPARE_S = 0.1, 0.3
+# While a batch is on the GPU, a piece whose listener has more than SPARE_S seconds of audio left
+# waits for it (and for company); a whole request's piece waits up to WHOLE_WAIT_S (`_deadlines`).
+SPARE_S, WHOLE_WAIT_S = 0.3, 0.5
 RING_FRAMES = 256  # frames a lane holds before the ring grows (a stream whose codec falls behind)
 
 
@@ -128,9 +128,10 @@ class CodecWorker:
     """Codes to audio on a thread (and CUDA stream) of its own, piece by piece as frames
     arrive (`StreamingCodec`): streamed requests get each piece, the others one
     concatenation at the end. Before each batch everything queued is taken in; a batch is
-    ready pieces of one scheduled length, the shortest (one piece per request, since a
-    request's next piece needs the state its last one left: a lane with a piece in a batch on
-    the GPU has none in the next). Up to `depth` batches are on the GPU at once."""
+    ready pieces, the most urgent first (by when each listener needs its audio), one per
+    request, since a request's next piece needs the state its last one left: a lane with a
+    piece in a batch on the GPU has none in the next. Up to `depth` batches are on the GPU at
+    once; while one is, pieces with audio to spare wait for company (`_launch`)."""
 
     def __init__(self, engine: Engine, first_piece: int, largest_piece: int, precision: str = "auto", lanes: int = 0,
                  depth: int = 2):
@@ -156,9 +157,9 @@ class CodecWorker:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what stopped the codec thread, if it failed
         self._cuda = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
-        # Pieces of streams with audio to spare wait up to `hold_s` for more of their length, so
-        # the codec decodes fewer, larger batches beside the decode loop (0: never wait).
-        self.hold_s, self.spare_s = HOLD_S, SPARE_S
+        # Pieces with audio to spare wait while a batch is on the GPU, so that under load the
+        # codec decodes fewer, larger batches (its cost is per batch far more than per frame).
+        self.spare_s, self.whole_wait_s = SPARE_S, WHOLE_WAIT_S
         # Held while a graph is captured, by this worker's capturing thread and by the engine's
         # thread: one capture at a time, the engine's first.
         self.capture_lock = CaptureLock()
@@ -284,13 +285,10 @@ class CodecWorker:
                     items, waited = waited + self._drain(), []
                     stopping = stopping or None in items
                     self._take_all(items)
-                    if len(self._flying) < self.depth:
-                        batch = self._launch()
-                        if batch is not None:
-                            self._flying.append(batch)
-                            continue
+                    if len(self._flying) < self.depth and self._launch() is not None:
+                        continue
                     if self._flying:
-                        self._finish(self._flying.pop(0))
+                        self._finish(self._flying[0])
                         self._summarise_finished()
                         continue
                     self._summarise_finished()
@@ -301,10 +299,9 @@ class CodecWorker:
                         self._drop(lane).ticket.emit("error", exc)
                 if stopping:
                     return
-                try:  # (outside the batch's handling: a failure here stops the thread, see `_run`)
-                    waited = [self._queue.get(timeout=self._next_due())]
-                except queue.Empty:  # a held piece is due
-                    waited = []
+                # Nothing on the GPU and nothing ready: wait for frames. (Outside the batch's
+                # handling: a failure here stops the thread, see `_run`.)
+                waited = [self._queue.get()]
 
     def _drain(self) -> list:
         items = []
@@ -378,26 +375,32 @@ class CodecWorker:
         return lanes[ready], need[ready]
 
     def _launch(self) -> "_Batch | None":
-        """Queue one batch of ready pieces on the GPU, the shortest ones (a request's first
-        pieces go before the long pieces of requests already playing), their audio's copy home
-        with it; None when no piece is due. A group of pieces waits (`_held`) while it is short
-        of a full batch and every stream in it has audio to spare."""
+        """Queue one batch of ready pieces on the GPU, their audio's copy home with it; None when
+        none is due. With no batch on the GPU every ready piece is due; with one there, only the
+        pieces of a length that has an urgent piece or a full batch's worth (`_deadlines`): the
+        others wait for company, so batches grow with the load. Pieces of several lengths share
+        a batch (each length its own graphs), the most urgent first, up to `max_frames`."""
         s = self._state
         lanes, need = self._ready()
         if not lanes.size:
             return None
         now = time.perf_counter()
         s.ready_since[lanes] = np.where(s.ready_since[lanes] > 0, s.ready_since[lanes], now)
-        # By scheduled length, what a piece costs (a last, shorter piece is padded to it), so
-        # streams ending together go a batch at a time and first pieces go between.
-        due = [n for n in np.unique(need) if not self._held(int(n), lanes[need == n], now)]
-        if not due:
-            return None
-        n = int(min(due))
-        group = lanes[need == n]
-        group = group[np.lexsort((group, s.ready_since[group]))][: self.codec.rows_for(n)]  # longest ready first
-        taken = np.minimum(s.received[group] - s.consumed[group], n)
-        codes = s.read(group, n)  # [rows, C, n]: a short last piece's tail is padding, cut below
+        deadline = self._deadlines(lanes, now)
+        if self._flying:
+            lengths, counts = np.unique(need, return_counts=True)
+            full = lengths[counts >= [self.codec.rows_for(int(n)) for n in lengths]]
+            due = np.union1d(need[deadline <= now + self.spare_s], full)
+            keep = np.isin(need, due)
+            lanes, need, deadline = lanes[keep], need[keep], deadline[keep]
+            if not lanes.size:
+                return None
+        order = np.lexsort((lanes, deadline))
+        lanes, need = lanes[order], need[order]
+        within = np.cumsum(need) <= self.max_frames
+        group, need = lanes[within], need[within]
+        taken = np.minimum(s.received[group] - s.consumed[group], need)
+        codes = s.read(group, int(need.max()))  # [rows, C, n]: past a row's own piece, not decoded
         s.consumed[group] += taken
         s.ready_since[group] = 0.0
         s.flying[group] = taken
@@ -407,11 +410,30 @@ class CodecWorker:
         except Exception:  # find the one that fails: each alone (their states are as they were)
             logger.exception("codec failed on a batch of %d pieces; retrying them one by one", len(group))
             batch.audio = self._one_by_one(group, codes, taken)
+        self._flying.append(batch)
         return batch
+
+    @property
+    def max_frames(self) -> int:
+        """Frames in one batch at most: a first piece ready meanwhile waits behind it."""
+        return 2 * self.codec.max_batch_frames
+
+    def _deadlines(self, lanes: np.ndarray, now: float) -> np.ndarray:
+        """When each ready piece is wanted (time.perf_counter): a streamed piece when its listener
+        will have played what it was given; a stream's first piece (a session's sentence's
+        too, which a voice agent times its turn by), a piece that ends a sentence and a
+        finished stream's last, at once (the client waits for them); a whole request's piece
+        `whole_wait_s` after it was ready."""
+        s = self._state
+        at_once = (s.pieces[lanes] == 0) | s.finished[lanes] | (s.sentence_left[lanes] >= 0)
+        playing = now + s.spare(lanes, now)
+        whole = s.ready_since[lanes] + self.whole_wait_s
+        return np.where(at_once, s.ready_since[lanes], np.where(s.stream[lanes], playing, whole))
 
     def _finish(self, batch: "_Batch") -> None:
         """Wait for a launched batch's audio and deliver each piece, unless its stream was cut
         (a clear) or ended (a cancel, its lane maybe taken by another stream) meanwhile."""
+        self._flying.remove(batch)
         audio = batch.audio if batch.audio is not None else batch.pieces.host()
         s = self._state
         for lane, generation, samples, frames in zip(batch.lanes, batch.generations, audio, batch.taken):
@@ -432,29 +454,6 @@ class CodecWorker:
             self._state.pieces[lane] = 0  # the next piece starts a codec stream afresh
             entry.ticket.emit("spoken", index)
         self._state.sentence_left[lane] = entry.sentences[0][0] if entry.sentences else -1
-
-    def _held(self, n: int, lanes: np.ndarray, now: float) -> bool:
-        """Whether a group of ready pieces of length `n` waits: fewer than a batch, none held
-        `hold_s` yet, and every one of a stream that has played less than it was given by more
-        than `spare_s` (so a request's first pieces and its last, which the client waits for,
-        never wait; nor a request whose whole audio is wanted at its end; nor the first piece of
-        a session's next sentence, which a voice agent times its turn by)."""
-        if self.hold_s <= 0 or len(lanes) >= self.codec.rows_for(n):
-            return False
-        s = self._state
-        waits = (s.stream[lanes] & (s.pieces[lanes] > 0) & ~s.finished[lanes] & (s.sentence_left[lanes] < 0)
-                 & (now < s.ready_since[lanes] + self.hold_s) & (s.spare(lanes, now) > self.spare_s))
-        return bool(waits.all())
-
-    def _next_due(self) -> float | None:
-        """Seconds until a held piece is due (None: nothing is held)."""
-        s = self._state
-        held = np.flatnonzero(s.active & (s.ready_since > 0))
-        if not held.size:
-            return None
-        now = time.perf_counter()
-        due = np.minimum(s.ready_since[held] + self.hold_s, now + s.spare(held, now) - self.spare_s)
-        return max(0.0, float(due.min()) - now)
 
     def _summarise_finished(self) -> None:
         s = self._state
@@ -535,7 +534,7 @@ class _Audio:
 
 class _LaneState:
     """The codec's per-lane arrays: frames received and decoded (counted from the stream's
-    start), the ring of frames not yet decoded, piece index, and what `_held` weighs."""
+    start), the ring of frames not yet decoded, piece index, and what `_deadlines` weighs."""
 
     def __init__(self, lanes: int, codebooks: int, ring: int = RING_FRAMES):
         self.codebooks = codebooks

@@ -1,0 +1,240 @@
+"""Closed-loop listeners against one batching engine in this process, as `fish-sm capacity
+--listeners` runs them over HTTP (the same mix, population and playback model), with what the
+HTTP run cannot see: where each underrun came from. Each stream's frames are timed as they reach
+the codec thread and its audio as it leaves it; a listener's wait is the decode's while the frames
+of the piece that ends it were not yet decoded, the codec's after.
+
+    python benchmarks/listeners.py CHECKPOINT [--listeners 512,576,640] [--duration 30]
+        [--max-seq-len 2048] [--out DIR]
+
+The engine starts as `fish-sm serve` starts it (`start_engine`, FISH_SM_* settings; here
+FISH_SM_BENCHMARK_LENGTHS=true and FISH_SM_CAPTURE=all unless set), so a level runs with every
+graph captured. Instruments only its own engine object (wrapping three of its codec worker's
+methods on the instance). One JSON line per level; DIR/listeners.json (DIR: --out, else $OUT,
+else .). On a CPU it runs on a tiny checkpoint, to check the script."""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import queue
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks` run as a file
+
+
+class Recorder:
+    """What the engine's threads hand the codec thread, and what it runs: (time, lanes) per
+    step's frames and (time, lane, ticket) per stream opened, in the engine thread's order;
+    (time, pieces, frames) per codec batch."""
+
+    def __init__(self, worker):
+        self.events: list = []
+        self.batches: list = []
+        open_, frames, push = worker.open, worker.frames, worker.codec.push
+        clock = time.perf_counter
+
+        def opened(lane, ticket):
+            self.events.append((clock(), lane, ticket))
+            return open_(lane, ticket)
+
+        def framed(lanes, codes):
+            self.events.append((clock(), np.array(lanes), None))
+            return frames(lanes, codes)
+
+        def pushed(lanes, pieces, codes, taken):
+            self.batches.append((clock(), len(lanes), int(np.sum(taken))))
+            return push(lanes, pieces, codes, taken)
+
+        worker.open, worker.frames, worker.codec.push = opened, framed, pushed
+
+    def clear(self) -> None:
+        self.events, self.batches = [], []
+
+    def frame_times(self) -> dict[int, list[float]]:
+        """Each ticket's (by id) frames' arrival times at the codec thread."""
+        owner: dict[int, int] = {}
+        times: dict[int, list[float]] = {}
+        for t, lanes, ticket in self.events:
+            if ticket is not None:
+                owner[lanes] = id(ticket)
+                times[id(ticket)] = []
+                continue
+            for lane in lanes.tolist():
+                who = owner.get(lane)
+                if who is not None:
+                    times[who].append(t)
+        return times
+
+
+def stalls(pieces: list[tuple[float, float]]) -> list[tuple[float, float, float, float]]:
+    """(playback ran out at, the next piece came at, audio seconds before it, with it) for each wait
+    of a listener playing from the first piece (`fish_sm.clients.capacity.playback_underrun`)."""
+    clock = position = have = None
+    out = []
+    for t, seconds in pieces:
+        if seconds <= 0:
+            continue
+        if clock is None:
+            clock, position, have = t, 0.0, seconds
+            continue
+        runs_out = clock + (have - position)
+        if runs_out < t - 1e-9:
+            out.append((runs_out, t, have, have + seconds))
+            position = have
+        else:
+            position += t - clock
+        clock, have = t, have + seconds
+    return out
+
+
+def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, seed: int) -> dict:
+    from fish_sm.clients.capacity import Mix, Population, StreamSample, playback_underrun, summarize_level
+    from fish_sm.contract import SamplingParams
+    from fish_sm.engine.batching import Job
+
+    engine = batcher.engine
+    frame_s = engine.frame_length / engine.sample_rate
+    population = Population(Mix(), listeners, duration_s, seed)
+    due = [(p.at_s, p.index, p) for p in population.first()]
+    heapq.heapify(due)
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    records = {}
+    recorder.clear()
+    stats_before = batcher.stats.snapshot()
+    t0 = time.perf_counter()
+
+    def submit(planned) -> None:
+        body = planned.body
+        record = {"planned": planned, "sent": time.perf_counter(), "audio": [], "error": None}
+        job = Job(body["text"], chunk_length=body["chunk_length"], stream=bool(body.get("stream")),
+                  params=SamplingParams(max_new_tokens=body["max_new_tokens"], seed=body["seed"]))
+
+        def sink(event, record=record):
+            kind, payload = event
+            if kind == "audio":
+                record["audio"].append((time.perf_counter(), len(payload)))
+            elif kind in ("done", "error"):
+                record["end"] = time.perf_counter()
+                record["error"] = payload if kind == "error" else None
+                finished.put(record)
+
+        record["ticket"] = batcher.submit(job, sink)
+        records[id(record["ticket"])] = record
+
+    def sample(record) -> StreamSample:
+        planned, rate = record["planned"], engine.sample_rate
+        sent = record["sent"] - t0
+        pieces = [(t - t0, n / rate) for t, n in record["audio"]]
+        fields = dict(streams=None, index=planned.index, at_s=planned.at_s, mode="stream" if planned.body.get("stream") else "whole",
+                      voice="none", text_chars=len(planned.body["text"]), intended_s=planned.intended_s,
+                      listeners=listeners, listener=planned.listener, late_s=max(0.0, sent - planned.at_s))
+        if record["error"] is not None:
+            return StreamSample(ok=False, kind="error", latency_s=record["end"] - record["sent"],
+                                error=str(record["error"]), **fields)
+        audio = sum(s for _, s in pieces)
+        if fields["mode"] == "whole":
+            return StreamSample(ok=True, kind="ok", latency_s=record["end"] - record["sent"], audio_seconds=audio,
+                                first_audio_s=record["end"] - record["sent"], **fields)
+        waited, count, _ = playback_underrun(pieces)
+        return StreamSample(ok=True, kind="ok", latency_s=record["end"] - record["sent"],
+                            first_audio_s=pieces[0][0] - sent if pieces else None, audio_seconds=audio,
+                            underrun_s=waited, underruns=count, **fields)
+
+    samples, outstanding = [], 0
+    while due or outstanding:
+        now = time.perf_counter() - t0
+        while due and due[0][0] <= now:
+            submit(heapq.heappop(due)[2])
+            outstanding += 1
+        wait = max(0.0, due[0][0] - now) if due else 1.0
+        try:
+            record = finished.get(timeout=wait)
+        except queue.Empty:
+            continue
+        outstanding -= 1
+        record["sample"] = s = sample(record)
+        samples.append(s)
+        nxt = population.after(s)
+        if nxt is not None:
+            heapq.heappush(due, (nxt.at_s, nxt.index, nxt))
+    wall = time.perf_counter() - t0
+    level = summarize_level(samples, wall, listeners, len(samples) / duration_s, duration_s, population="closed loop")
+
+    # Where the waits came from: the decode (the piece's last frame not yet at the codec thread
+    # when playback ran out) or the codec (after it).
+    frame_times = recorder.frame_times()
+    decode_s = codec_s = 0.0
+    heard_at = []  # audio seconds a listener had heard when playback ran out
+    for key, record in records.items():
+        if record["planned"].body.get("stream") and record["error"] is None:
+            arrived = frame_times.get(key, [])
+            pieces = [(t, n / engine.sample_rate) for t, n in record["audio"]]
+            for ran_out, came, before, heard in stalls(pieces):
+                heard_at.append(before)
+                last = min(len(arrived), max(1, round(heard / frame_s))) - 1
+                decoded = arrived[last] if last >= 0 else came
+                decode_s += max(0.0, min(decoded, came) - ran_out)
+                codec_s += came - max(ran_out, min(decoded, came))
+    after = batcher.stats.snapshot()
+    steps = after["steps"] - stats_before["steps"]
+    rows = sum(len(lanes) for _, lanes, ticket in recorder.events if ticket is None)
+    batches = np.array([(n, f) for _, n, f in recorder.batches] or [(0, 0)], float)
+    level["where"] = {
+        "underrun_decode_s": decode_s, "underrun_codec_s": codec_s,
+        "decode_steps": steps, "rows_per_step": rows / steps if steps else 0.0,
+        "iteration_ms": 1e3 * (after["wall_s"] - stats_before["wall_s"]) / max(1, after["iterations"] - stats_before["iterations"]),
+        "frames_per_s": rows / wall, "codec_batches": len(recorder.batches),
+        "stall_at_audio_s": {q: float(np.percentile(heard_at, q)) for q in (10, 50, 90)} if heard_at else None,
+        "codec_pieces_per_batch": float(batches[:, 0].mean()), "codec_frames_per_batch": float(batches[:, 1].mean()),
+    }
+    return level
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--listeners", default="512,576,640", help="listener counts, comma-separated")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of asking a level")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="where listeners.json goes")
+    args = p.parse_args()
+    os.environ.setdefault("FISH_SM_BENCHMARK_LENGTHS", "true")
+    os.environ.setdefault("FISH_SM_CAPTURE", "all")
+    os.environ.setdefault("FISH_SM_MAX_SEQ_LEN", str(args.max_seq_len))
+    import torch
+
+    from fish_sm.serving.core import devices, start_engine
+    from fish_sm.settings import Settings
+
+    device = devices()[0] if args.device == "auto" else args.device
+    began = time.perf_counter()
+    _, batcher = start_engine(Path(args.checkpoint), device, Settings.from_env())
+    print(f"engine ready in {time.perf_counter() - began:.1f} s with {batcher.slots} slots on "
+          f"{torch.cuda.get_device_name() if device.startswith('cuda') else device}", flush=True)
+    recorder = Recorder(batcher._codec)
+    levels = []
+    try:
+        for n in [int(x) for x in args.listeners.split(",")]:
+            level = run_level(batcher, recorder, n, args.duration, args.seed)
+            levels.append(level)
+            keep = {k: level[k] for k in ("listeners", "requests", "ok", "first_audio_ms", "underrun",
+                                          "audio_seconds_per_wall_second", "passed", "where")}
+            print(json.dumps(keep), flush=True)
+    finally:
+        batcher.stop()
+    out = Path(args.out) / "listeners.json"
+    out.write_text(json.dumps({"device": device, "levels": levels}, indent=1, default=str))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
