@@ -73,31 +73,11 @@ class Recorder:
         return times
 
 
-def stalls(pieces: list[tuple[float, float]]) -> list[tuple[float, float, float, float]]:
-    """(playback ran out at, the next piece came at, audio seconds before it, with it) for each wait
-    of a listener playing from the first piece (`fish_sm.clients.capacity.playback_underrun`)."""
-    clock = position = have = None
-    out = []
-    for t, seconds in pieces:
-        if seconds <= 0:
-            continue
-        if clock is None:
-            clock, position, have = t, 0.0, seconds
-            continue
-        runs_out = clock + (have - position)
-        if runs_out < t - 1e-9:
-            out.append((runs_out, t, have, have + seconds))
-            position = have
-        else:
-            position += t - clock
-        clock, have = t, have + seconds
-    return out
-
-
 def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, seed: int) -> dict:
-    from fish_sm.clients.capacity import Mix, Population, StreamSample, playback_underrun, summarize_level
+    from fish_sm.clients.bench import REJECTED
+    from fish_sm.clients.capacity import Mix, Population, StreamSample, playback_waits, summarize_level
     from fish_sm.contract import SamplingParams
-    from fish_sm.engine.batching import Job
+    from fish_sm.engine.batching import Job, Overloaded
 
     engine = batcher.engine
     frame_s = engine.frame_length / engine.sample_rate
@@ -125,7 +105,12 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
                 record["error"] = payload if kind == "error" else None
                 finished.put(record)
 
-        record["ticket"] = batcher.submit(job, sink)
+        try:
+            record["ticket"] = batcher.submit(job, sink)
+        except Overloaded as exc:  # a full engine refuses it, as the server's 503 does
+            record.update(end=time.perf_counter(), error=exc, kind=REJECTED)
+            finished.put(record)
+            return
         records[id(record["ticket"])] = record
 
     def sample(record) -> StreamSample:
@@ -136,16 +121,17 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
                       voice="none", text_chars=len(planned.body["text"]), intended_s=planned.intended_s,
                       listeners=listeners, listener=planned.listener, late_s=max(0.0, sent - planned.at_s))
         if record["error"] is not None:
-            return StreamSample(ok=False, kind="error", latency_s=record["end"] - record["sent"],
+            return StreamSample(ok=False, kind=record.get("kind", "error"), latency_s=record["end"] - record["sent"],
                                 error=str(record["error"]), **fields)
         audio = sum(s for _, s in pieces)
         if fields["mode"] == "whole":
             return StreamSample(ok=True, kind="ok", latency_s=record["end"] - record["sent"], audio_seconds=audio,
                                 first_audio_s=record["end"] - record["sent"], **fields)
-        waited, count, _ = playback_underrun(pieces)
+        record["waits"] = waits = playback_waits(pieces)[0]
         return StreamSample(ok=True, kind="ok", latency_s=record["end"] - record["sent"],
                             first_audio_s=pieces[0][0] - sent if pieces else None, audio_seconds=audio,
-                            underrun_s=waited, underruns=count, **fields)
+                            underrun_s=sum(came - ran_out for ran_out, came, _, _ in waits), underruns=len(waits),
+                            **fields)
 
     samples, outstanding = [], 0
     while due or outstanding:
@@ -173,15 +159,14 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
     decode_s = codec_s = 0.0
     heard_at = []  # audio seconds a listener had heard when playback ran out
     for key, record in records.items():
-        if record["planned"].body.get("stream") and record["error"] is None:
-            arrived = frame_times.get(key, [])
-            pieces = [(t, n / engine.sample_rate) for t, n in record["audio"]]
-            for ran_out, came, before, heard in stalls(pieces):
-                heard_at.append(before)
-                last = min(len(arrived), max(1, round(heard / frame_s))) - 1
-                decoded = arrived[last] if last >= 0 else came
-                decode_s += max(0.0, min(decoded, came) - ran_out)
-                codec_s += came - max(ran_out, min(decoded, came))
+        arrived = frame_times.get(key, [])
+        for ran_out, came, before, heard in record.get("waits", []):  # (seconds after t0)
+            ran_out, came = ran_out + t0, came + t0
+            heard_at.append(before)
+            last = min(len(arrived), max(1, round(heard / frame_s))) - 1
+            decoded = arrived[last] if last >= 0 else came
+            decode_s += max(0.0, min(decoded, came) - ran_out)
+            codec_s += came - max(ran_out, min(decoded, came))
     after = batcher.stats.snapshot()
     steps = after["steps"] - stats_before["steps"]
     rows = sum(len(lanes) for _, lanes, ticket in recorder.events if ticket is None)

@@ -186,8 +186,16 @@ def playback_underrun(pieces: list[tuple[float, float]]) -> tuple[float, int, fl
     order: it starts with the first audio and plays at real time; whenever it reaches the end of
     the audio received it waits for the next piece. Returns (seconds waited, times it waited,
     seconds of audio)."""
+    waits, have = playback_waits(pieces)
+    return sum(came - ran_out for ran_out, came, _, _ in waits), len(waits), have
+
+
+def playback_waits(pieces: list[tuple[float, float]]) -> tuple[list[tuple[float, float, float, float]], float]:
+    """The waits of `playback_underrun`'s listener, each as (when playback reached the end of
+    the audio received, when the next piece came, seconds of audio before it, and with it), and
+    the seconds of audio."""
     clock, position, have = None, 0.0, 0.0
-    waited, stalls = 0.0, 0
+    waits = []
     for t, seconds in pieces:
         if seconds <= 0:
             continue
@@ -196,13 +204,12 @@ def playback_underrun(pieces: list[tuple[float, float]]) -> tuple[float, int, fl
             continue
         runs_out = clock + (have - position)  # when playback would reach the end of what has come
         if runs_out < t - 1e-9:
-            waited += t - runs_out
-            stalls += 1
+            waits.append((runs_out, t, have, have + seconds))
             position = have
         else:
             position += t - clock
         clock, have = t, have + seconds
-    return waited, stalls, have
+    return waits, have
 
 
 def audio_pieces(arrivals: list[tuple[float, int]], pcm_start: int, bytes_per_second: float) -> list[tuple[float, float]]:

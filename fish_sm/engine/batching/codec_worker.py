@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # (the engine builds batching engines over itself: no import 
 logger = logging.getLogger("fish_sm.batching")
 
 # While a batch is on the GPU, a piece whose listener has more than SPARE_S seconds of audio left
-# waits for it (and for company); a whole request's piece waits up to WHOLE_WAIT_S (`_deadlines`).
+# waits for it, unless a piece of its length is urgent or fills a batch; a whole request's
+# piece waits up to WHOLE_WAIT_S (`_launch`, `_deadlines`).
 SPARE_S, WHOLE_WAIT_S = 0.3, 0.5
 RING_FRAMES = 256  # frames a lane holds before the ring grows (a stream whose codec falls behind)
 
