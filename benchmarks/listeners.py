@@ -5,17 +5,22 @@ the codec thread and its audio as it leaves it; a listener's wait is the decode'
 of the piece that ends it were not yet decoded, the codec's after.
 
     python benchmarks/listeners.py CHECKPOINT [--listeners 512,576,640] [--duration 30]
-        [--max-seq-len 2048] [--out DIR]
+        [--max-seq-len 2048] [--codec-spare 0.3,0.6] [--out DIR]
 
 The engine starts as `fish-sm serve` starts it (`start_engine`, FISH_SM_* settings; here
 FISH_SM_BENCHMARK_LENGTHS=true and FISH_SM_CAPTURE=all unless set), so a level runs with every
-graph captured. Instruments only its own engine object (wrapping three of its codec worker's
+graph captured. Instruments only its own engine object (wrapping five of its codec worker's
 methods on the instance). One JSON line per level; DIR/listeners.json (DIR: --out, else $OUT,
-else .). On a CPU it runs on a tiny checkpoint, to check the script."""
+else .). On a CPU it runs on a tiny checkpoint, to check the script.
+
+`--codec-spare` runs every level once per value of the codec worker's `spare_s` (a piece whose
+listener has less audio left than this goes beside a batch on the GPU rather than wait for
+company), set on this engine object."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import json
 import os
@@ -32,13 +37,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 class Recorder:
     """What the engine's threads hand the codec thread, and what it runs: (time, lanes) per
     step's frames and (time, lane, ticket) per stream opened, in the engine thread's order;
-    (time, pieces, frames) per codec batch."""
+    (time, pieces, frames) per codec batch, and each batch's seconds from launch to delivery with
+    the batches already on the GPU when it was launched; the garbage collector's pauses."""
 
     def __init__(self, worker):
         self.events: list = []
         self.batches: list = []
+        self.latencies: list = []
         open_, frames, push = worker.open, worker.frames, worker.codec.push
+        launch, finish = worker._launch, worker._finish
         clock = time.perf_counter
+        launched: dict = {}
+
+        def launching():
+            at, ahead = clock(), len(worker._flying)
+            batch = launch()
+            if batch is not None:
+                launched[id(batch)] = (at, ahead)
+            return batch
+
+        def finishing(batch):
+            finish(batch)
+            at, ahead = launched.pop(id(batch), (None, 0))
+            if at is not None:
+                self.latencies.append((clock() - at, ahead))
 
         def opened(lane, ticket):
             self.events.append((clock(), lane, ticket))
@@ -48,14 +70,25 @@ class Recorder:
             self.events.append((clock(), np.array(lanes), None))
             return frames(lanes, codes)
 
-        def pushed(lanes, pieces, codes, taken):
+        def pushed(lanes, pieces, codes, taken, **options):
             self.batches.append((clock(), len(lanes), int(np.sum(taken))))
-            return push(lanes, pieces, codes, taken)
+            return push(lanes, pieces, codes, taken, **options)
 
         worker.open, worker.frames, worker.codec.push = opened, framed, pushed
+        worker._launch, worker._finish = launching, finishing
+        self.pauses: list = []  # (generation, seconds) of each collection
+        started: list = [0.0]
+
+        def collected(phase, info):
+            if phase == "start":
+                started[0] = clock()
+            else:
+                self.pauses.append((info["generation"], clock() - started[0]))
+
+        gc.callbacks.append(collected)
 
     def clear(self) -> None:
-        self.events, self.batches = [], []
+        self.events, self.batches, self.latencies, self.pauses = [], [], [], []
 
     def frame_times(self) -> dict[int, list[float]]:
         """Each ticket's (by id) frames' arrival times at the codec thread."""
@@ -71,6 +104,28 @@ class Recorder:
                 if who is not None:
                     times[who].append(t)
         return times
+
+
+def percentiles_ms(seconds: list[float]) -> dict | None:
+    return {q: 1e3 * float(np.percentile(seconds, q)) for q in (50, 90, 99)} if seconds else None
+
+
+def first_audio_parts(records: dict, frame_times: dict, first_piece: int) -> dict:
+    """Streamed requests' first audio in parts (p50/p90/p99 ms): waiting for a slot (`queue`),
+    from admission to the first frame at the codec thread (prefill), from there to the first
+    piece's last frame (decode steps), and from there to its audio (the codec)."""
+    parts: dict[str, list[float]] = {"queue": [], "prefill": [], "first_piece_frames": [], "codec": []}
+    for key, record in records.items():
+        arrived, ticket = frame_times.get(key, []), record["ticket"]
+        if (not record["planned"].body.get("stream") or not record["audio"] or len(arrived) < first_piece
+                or "queue" not in ticket.timings):
+            continue
+        admitted = record["sent"] + ticket.timings["queue"]
+        parts["queue"].append(ticket.timings["queue"])
+        parts["prefill"].append(arrived[0] - admitted)
+        parts["first_piece_frames"].append(arrived[first_piece - 1] - arrived[0])
+        parts["codec"].append(record["audio"][0][0] - arrived[first_piece - 1])
+    return {name: percentiles_ms(values) for name, values in parts.items()}
 
 
 def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, seed: int) -> dict:
@@ -178,6 +233,13 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
         "frames_per_s": rows / wall, "codec_batches": len(recorder.batches),
         "stall_at_audio_s": {q: float(np.percentile(heard_at, q)) for q in (10, 50, 90)} if heard_at else None,
         "codec_pieces_per_batch": float(batches[:, 0].mean()), "codec_frames_per_batch": float(batches[:, 1].mean()),
+        "codec_batch_ms": percentiles_ms([t for t, _ in recorder.latencies]),
+        "codec_batch_ms_alone": percentiles_ms([t for t, ahead in recorder.latencies if not ahead]),
+        "codec_batch_ms_behind_another": percentiles_ms([t for t, ahead in recorder.latencies if ahead]),
+        "first_audio_parts_ms": first_audio_parts(records, frame_times, batcher._codec.first),
+        "gc_pauses": {"count": len(recorder.pauses), "total_s": sum(t for _, t in recorder.pauses),
+                      "max_ms": 1e3 * max((t for _, t in recorder.pauses), default=0.0),
+                      "full": sum(1 for g, _ in recorder.pauses if g == 2)},
     }
     return level
 
@@ -190,6 +252,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request")
     p.add_argument("--device", default="auto")
+    p.add_argument("--codec-spare", default="", help="values of the codec's spare_s to run each level with, comma-separated")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where listeners.json goes")
     args = p.parse_args()
     os.environ.setdefault("FISH_SM_BENCHMARK_LENGTHS", "true")
@@ -208,12 +271,15 @@ def main() -> None:
     recorder = Recorder(batcher._codec)
     levels = []
     try:
-        for n in [int(x) for x in args.listeners.split(",")]:
-            level = run_level(batcher, recorder, n, args.duration, args.seed)
-            levels.append(level)
-            keep = {k: level[k] for k in ("listeners", "requests", "ok", "first_audio_ms", "underrun",
-                                          "audio_seconds_per_wall_second", "passed", "where")}
-            print(json.dumps(keep), flush=True)
+        for spare_s in [float(x) for x in args.codec_spare.split(",") if x] or [batcher._codec.spare_s]:
+            batcher._codec.spare_s = spare_s
+            for n in [int(x) for x in args.listeners.split(",")]:
+                level = run_level(batcher, recorder, n, args.duration, args.seed)
+                level["codec_spare_s"] = spare_s
+                levels.append(level)
+                keep = {k: level[k] for k in ("codec_spare_s", "listeners", "requests", "ok", "first_audio_ms", "underrun",
+                                              "audio_seconds_per_wall_second", "passed", "where")}
+                print(json.dumps(keep), flush=True)
     finally:
         batcher.stop()
     out = Path(args.out) / "listeners.json"

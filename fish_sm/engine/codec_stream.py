@@ -33,7 +33,7 @@ import contextlib
 import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -346,12 +346,18 @@ class _Ran:
 
 class Pieces:
     """A batch's audio: each back batch's [rows, samples] on the device, with the rows of
-    the batch it holds and each row's length in samples."""
+    the batch it holds and each row's length in samples, and its copy to the host if started."""
 
     def __init__(self, count: int):
         self.count = count
         self.parts: list[tuple[np.ndarray, Tensor, np.ndarray]] = []
-        self._copies: list | None = None
+        self._copies: list[HostCopy | None] = []
+
+    def add(self, rows: np.ndarray, audio: Tensor, lengths: np.ndarray, home: bool = False) -> None:
+        """A back batch's audio; `home`: its copy to the host starts now (asynchronous, into
+        pinned memory), behind only the work queued so far."""
+        self.parts.append((rows, audio, lengths))
+        self._copies.append(HostCopy(audio) if home else None)
 
     def tensors(self) -> list[Tensor]:
         """Each piece's audio [1, samples], in order (views on the device)."""
@@ -361,29 +367,27 @@ class Pieces:
                 out[row] = audio[i : i + 1, :n]
         return out
 
-    def copy_home(self) -> "Pieces":
-        """Start each back batch's copy to the host (asynchronous, into pinned memory): `host`
-        then only waits for them."""
-        self._copies = [(rows, HostCopy(audio), lengths) for rows, audio, lengths in self.parts]
-        return self
+    def home(self) -> Iterator[tuple[np.ndarray, list[np.ndarray]]]:
+        """Each back batch's rows and their audio as float32 samples, in the order they ran, each
+        as soon as its copy is home (one copy a back batch)."""
+        for (rows, audio, lengths), copy_ in zip(self.parts, self._copies):
+            block = (copy_ or HostCopy(audio)).get().numpy()
+            yield rows, [block[i, :n].copy() for i, n in enumerate(lengths)]  # (the pinned block back at once)
 
     def host(self) -> list[np.ndarray]:
-        """Each piece's audio as float32 samples, in order: one copy to the host a back batch."""
-        copies = self._copies if self._copies is not None else self.copy_home()._copies
+        """Each piece's audio as float32 samples, in order."""
         out: list[Optional[np.ndarray]] = [None] * self.count
-        for rows, copy_, lengths in copies:
-            audio = copy_.get().numpy()
-            for i, (row, n) in enumerate(zip(rows, lengths)):
-                out[row] = audio[i, :n].copy()  # (the pinned block back at once)
+        for rows, audio in self.home():
+            for row, samples in zip(rows, audio):
+                out[row] = samples
         return out
 
 
 class StreamingCodec:
     """Decodes streams piece by piece, each stream in a lane (a row of the state tensors,
-    `allocate`). `push` takes one piece each of several lanes: their fronts batched by
-    scheduled length, their backs by the length they run over, at most `max_batch_frames`
-    frames a batch (bounded so that a request's first piece never waits long behind one
-    batch). On CUDA both halves replay graphs captured by `capture`."""
+    `allocate`). `push` takes one piece each of several lanes, batched by the length they run
+    over, at most `max_batch_frames` frames a batch (bounded so that a request's first piece
+    never waits long behind one batch). On CUDA both halves replay graphs captured by `capture`."""
 
     def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_batch_frames: int = 512,
                  back_dtype: torch.dtype | None = None, front_dtype: torch.dtype | None = None,
@@ -450,60 +454,50 @@ class StreamingCodec:
     # -- decoding ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def push(self, lanes: np.ndarray, pieces: np.ndarray, codes: Tensor, frames: np.ndarray) -> Pieces:
+    def push(self, lanes: np.ndarray, pieces: np.ndarray, codes: Tensor, frames: np.ndarray,
+             home: bool = False) -> Pieces:
         """One piece each of different lanes -> their audio (`Pieces`). `pieces`: each lane's
         piece index (pieces it has had since its stream began: 0 starts afresh); `codes`
         [rows, 1 + C, n] on the codec's device, row i's first `frames[i]` frames the piece (fewer
-        than scheduled for a stream's last piece). Each lane's state moves on by one piece, but
-        only once every batch has run: if this raises, every lane is as it was."""
+        than scheduled for a stream's last piece). The pieces run by length, the shortest (a
+        stream's first pieces, whose listeners have the least audio) first, each batch's front
+        then its back; `home`: each back batch's audio starts home as soon as it is queued
+        (`Pieces.home`). Each lane's state moves on by one piece, but only once every batch has
+        run: if this raises, every lane is as it was."""
         lanes, pieces, frames = (np.asarray(a, np.int64) for a in (lanes, pieces, frames))
         if lanes.size and (lanes.min() < 0 or lanes.max() >= self.lanes):
             raise ValueError(f"lanes must be in [0, {self.lanes}), got {lanes.tolist()}")
         scheduled = np.minimum(self.first << np.minimum(pieces, 30), self.largest)
         d = self._doubling
         starts = np.where(pieces <= d, self._starts[np.minimum(pieces, d)], self._starts[d] + (pieces - d) * self.largest)
+        if (frames > scheduled).any():
+            raise ValueError(f"a piece holds at most its scheduled frames: {frames.tolist()} for {scheduled.tolist()}")
         if (starts + scheduled > POSITIONS).any():
             raise FishSMError(f"a stream's audio is longer than the codec streams ({POSITIONS} frames)")
         codes = codes.long()
         # A piece shorter than scheduled is its stream's last (the state it leaves is never
         # read): both halves run over the shortest scheduled length that holds it.
-        lengths = np.where(frames < scheduled, self.back_frames(frames), scheduled)
+        lengths = self.back_frames(frames)
         if codes.shape[-1] < lengths.max(initial=0):
             codes = F.pad(codes, (0, int(lengths.max()) - codes.shape[-1]))
-        # The fronts grouped by length, so that each batch's codes are a slice (indexing a
-        # device tensor by a host array would copy the index from pageable memory).
+        # Grouped by length, so that each batch's codes are a slice (indexing a device tensor by
+        # a host array would copy the index from pageable memory).
         by_length = np.argsort(lengths, kind="stable")
         if (by_length != np.arange(len(by_length))).any():
             codes = codes.index_select(0, to_device(torch.from_numpy(by_length), codes.device))
+        out = Pieces(len(lanes))
         ran: list[tuple[Callable, _Ran]] = []
-        latents, order = [], []
+        steps, frame_length = self.back.steps, self.codec.frame_length
         runs, firsts = np.unique(lengths[by_length], return_index=True)
         ends = np.append(firsts[1:], len(by_length))
         for n, first, end in zip(runs.tolist(), firsts.tolist(), ends.tolist()):
             for at in range(first, end, self.rows_for(n)):
                 upto = min(at + self.rows_for(n), end)
                 rows = by_length[at:upto]
-                z, done = self._half(self.fronts, self._front, n, lanes[rows], starts[rows], codes[at:upto, :, :n])
-                latents.append(z)
-                order.append(rows)
-                ran.append((self.front.commit, done))
-        longest = max(z.shape[-1] for z in latents)  # (backs read no further than their own fronts)
-        z = torch.cat([F.pad(z, (0, longest - z.shape[-1])) for z in latents]) if len(latents) > 1 else latents[0]
-        where = np.empty(len(lanes), np.int64)
-        where[np.concatenate(order)] = np.arange(len(lanes))
-        out = Pieces(len(lanes))
-        backs = self.back_frames(frames)
-        steps, frame_length = self.back.steps, self.codec.frame_length
-        for n in np.unique(backs):
-            n = int(n)
-            members = np.flatnonzero(backs == n)
-            for at in range(0, len(members), self.rows_for(n)):
-                rows = members[at : at + self.rows_for(n)]
-                index = to_device(torch.from_numpy(where[rows]), z.device)  # (a pageable copy would block other threads' launches)
-                audio, done = self._half(self.backs, self.back.lanes, n, lanes[rows], starts[rows],
-                                         z.index_select(0, index)[..., : n * steps])
-                out.parts.append((rows, audio, frames[rows] * frame_length))
-                ran.append((self._commit_back, done))
+                z, front = self._half(self.fronts, self._front, n, lanes[rows], starts[rows], codes[at:upto, :, :n])
+                audio, back = self._half(self.backs, self.back.lanes, n, lanes[rows], starts[rows], z[..., : n * steps])
+                out.add(rows, audio, frames[rows] * frame_length, home)
+                ran += [(self.front.commit, front), (self._commit_back, back)]
         for commit, done in ran:
             commit(done.lanes, done.starts, done.frames, done.state)
         return out

@@ -334,6 +334,7 @@ class HandDriven:
 
     def __init__(self, worker: CodecWorker):
         self.worker, self.events, self.audio, self.lane = worker, {}, {}, {}
+        self.heard: list[str] = []  # whose audio came, in order
 
     def open(self, name: str, stream: bool = True) -> str:
         ticket = Ticket(Job(TEXTS[0], stream=stream), sink=lambda event: self._heard(name, event))
@@ -345,6 +346,7 @@ class HandDriven:
         self.events.setdefault(name, []).append(event[0])
         if event[0] == "audio":
             self.audio.setdefault(name, []).append(event[1])
+            self.heard.append(name)
 
     def give(self, name: str, codes: list) -> None:
         for frame in codes:
@@ -385,8 +387,10 @@ def test_with_nothing_on_the_gpu_every_ready_piece_goes_in_one_batch(solo):
     hand.give("new", frames(4))
     batch = worker._launch()
     assert sorted(batch.taken.tolist()) == [4, 64, 64, 64]
+    hand.heard.clear()
     worker._finish(batch)
     assert hand.events["new"] == ["audio"] and all(len(hand.events[name]) == 5 for name in playing)
+    assert hand.heard[0] == "new"  # the shortest pieces run first, and their audio goes at once
     assert not decode_next(worker)
 
 

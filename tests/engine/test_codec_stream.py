@@ -115,6 +115,8 @@ def test_a_push_checks_its_lanes_and_the_streams_length(engine):
         pieces.push([2], [0], codes, [2])  # lane 2 is the scratch lane
     with pytest.raises(FishSMError, match="longer than the codec streams"):
         pieces.push([0], [10**5], torch.zeros(1, engine.codec.n_rows, 8, dtype=torch.long), [8])
+    with pytest.raises(ValueError, match="at most its scheduled frames"):
+        pieces.push([0], [0], torch.zeros(1, engine.codec.n_rows, 4, dtype=torch.long), [4])  # a first piece is 2
 
 
 def test_pieces_of_several_streams_decode_together_like_each_alone(engine):
@@ -177,6 +179,24 @@ def test_last_pieces_shorter_than_scheduled_run_with_the_others(engine, monkeypa
         whole = torch.cat(out[i], dim=-1)
         assert whole.shape[-1] == n * codec.frame_length
         torch.testing.assert_close(whole, codec.decode(codes[i]), atol=1e-4, rtol=0)
+
+
+def test_a_push_runs_its_shortest_pieces_first_and_sends_each_batch_home_as_it_ran(engine):
+    """Whatever the rows' order, a push's batches run by length, the shortest (a stream's first
+    pieces) first, front then back; `home` gives each back batch's audio in that order, the
+    same samples as the device tensors."""
+    codec = engine.codec
+    pieces = StreamingCodec(codec, first=2, largest=8, max_batch_frames=16, lanes=3)
+    codes = torch.randint(0, 1024, (3, codec.n_rows, 8), generator=torch.Generator().manual_seed(70))
+    with torch.inference_mode():
+        out = pieces.push([0, 1, 2], [2, 0, 1], codes, [8, 2, 4], home=True)  # pieces of 8, 2 and 4 frames
+        parts = list(out.home())
+        on_device = out.tensors()
+    assert [rows.tolist() for rows, _ in parts] == [[1], [2], [0]]
+    for rows, audio in parts:
+        for row, samples in zip(rows, audio):
+            np.testing.assert_array_equal(samples, on_device[row][0].numpy())
+    assert [a.shape[-1] for a in out.host()] == [n * codec.frame_length for n in (8, 2, 4)]
 
 
 def test_full_length_fronts_at_different_indices_share_a_batch_past_the_window(monkeypatch):
@@ -302,7 +322,7 @@ def test_a_push_never_waits_for_the_gpu_on_cuda():
         torch.cuda.set_sync_debug_mode("error")
         try:
             pieces.push([0, 1, 2], [0, 0, 0], codes[..., :2], [2, 2, 1])
-            audio = pieces.push([0, 1, 2], [1, 1, 1], codes, [4, 3, 4]).tensors()
+            audio = pieces.push([0, 1, 2], [1, 1, 1], codes, [4, 3, 4], home=True).tensors()  # (copies home as served)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert [a.shape[-1] for a in audio] == [n * codec.frame_length for n in (4, 3, 4)]

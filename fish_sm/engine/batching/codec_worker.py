@@ -432,21 +432,25 @@ class CodecWorker:
         return np.where(at_once, s.ready_since[lanes], np.where(s.stream[lanes], playing, whole))
 
     def _finish(self, batch: "_Batch") -> None:
-        """Wait for a launched batch's audio and deliver each piece, unless its stream was cut
-        (a clear) or ended (a cancel, its lane maybe taken by another stream) meanwhile."""
+        """Deliver a launched batch's pieces, each back batch's as soon as its audio is home (the
+        shortest pieces first: a batch's long pieces do not hold up a stream's first ones),
+        unless a piece's stream was cut (a clear) or ended (a cancel, its lane maybe taken by
+        another stream) meanwhile."""
         self._flying.remove(batch)
-        audio = batch.audio if batch.audio is not None else batch.pieces.host()
+        parts = [(range(len(batch.lanes)), batch.audio)] if batch.audio is not None else batch.pieces.home()
         s = self._state
-        for lane, generation, samples, frames in zip(batch.lanes, batch.generations, audio, batch.taken):
-            if s.generation[lane] != generation:  # (a piece that failed alone ended its stream too)
-                continue
-            entry = self._audio[lane]
-            s.flying[lane] = 0
-            s.pieces[lane] += 1
-            self._deliver(lane, entry, samples)
-            if entry.sentences:
-                entry.sentences[0][0] -= int(frames)
-                self._sentences_done(lane, entry)
+        for rows, audio in parts:  # each back batch's pieces as soon as their audio is home
+            for i, samples in zip(rows, audio):
+                lane, frames = batch.lanes[i], batch.taken[i]
+                if s.generation[lane] != batch.generations[i]:  # (a piece that failed alone ended its stream too)
+                    continue
+                entry = self._audio[lane]
+                s.flying[lane] = 0
+                s.pieces[lane] += 1
+                self._deliver(lane, entry, samples)
+                if entry.sentences:
+                    entry.sentences[0][0] -= int(frames)
+                    self._sentences_done(lane, entry)
 
     def _sentences_done(self, lane: int, entry: "_Audio") -> None:
         """Sentences whose audio is all out: their end is said, the next starts a new codec stream."""
@@ -475,11 +479,11 @@ class CodecWorker:
     def _pieces(self, lanes: np.ndarray, codes: np.ndarray, taken: np.ndarray) -> Pieces:
         """One batch of pieces queued through the codec: their codes to the GPU in one copy
         (through pinned memory, `to_device`: a pageable copy waits for the whole batch inside
-        the driver, and the decode loop's CUDA calls wait with it), their audio's copies home
-        started, one a back batch. A batch that raises leaves its streams' states as they were
+        the driver, and the decode loop's CUDA calls wait with it), each back batch's audio
+        started home as soon as it is queued. A batch that raises leaves its streams' states as they were
         (`StreamingCodec.push`)."""
         on_device = to_device(torch.from_numpy(codes), self.engine.device)
-        return self.codec.push(lanes, self._state.pieces[lanes], on_device, taken).copy_home()
+        return self.codec.push(lanes, self._state.pieces[lanes], on_device, taken, home=True)
 
     def _deliver(self, lane: int, entry: "_Audio", samples: np.ndarray) -> None:
         ticket = entry.ticket
