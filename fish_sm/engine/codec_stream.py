@@ -493,9 +493,12 @@ class StreamingCodec:
         for n, first, end in zip(runs.tolist(), firsts.tolist(), ends.tolist()):
             for at in range(first, end, self.rows_for(n)):
                 upto = min(at + self.rows_for(n), end)
-                rows = by_length[at:upto]
-                z, front = self._half(self.fronts, self._front, n, lanes[rows], starts[rows], codes[at:upto, :, :n])
-                audio, back = self._half(self.backs, self.back.lanes, n, lanes[rows], starts[rows], z[..., : n * steps])
+                rows, b = by_length[at:upto], upto - at
+                # One copy of the lanes and positions for both halves, padded for the larger graph.
+                padded = max(self._rows(n, b, self.fronts), self._rows(n, b, self.backs))
+                lanes_t, starts_t = self._inputs(lanes[rows], starts[rows], padded)
+                z, front = self._half(self.fronts, self._front, n, b, lanes_t, starts_t, codes[at:upto, :, :n])
+                audio, back = self._half(self.backs, self.back.lanes, n, b, lanes_t, starts_t, z[..., : n * steps])
                 out.add(rows, audio, frames[rows] * frame_length, home)
                 ran += [(self.front.commit, front), (self._commit_back, back)]
         for commit, done in ran:
@@ -517,19 +520,18 @@ class StreamingCodec:
         fits = [rows for frames, rows in list(graphs) if frames == n and rows >= b]  # (a thread may be adding one)
         return min(fits) if fits else b
 
-    def _half(self, graphs: dict, run: Callable, n: int, lanes: np.ndarray, starts: np.ndarray,
+    def _half(self, graphs: dict, run: Callable, n: int, b: int, lanes_t: Tensor, starts_t: Tensor,
               x: Tensor) -> tuple[Tensor, _Ran]:
-        """One batch of either half (`run`: `_front` or the back's `lanes`) over `x` (codes or
-        latents): its captured graph for (n, rows) where there is one, else `run` itself. Its
-        output and its new state (to commit once the push has run)."""
-        b = len(lanes)
+        """One batch of `b` pieces through either half (`run`: `_front` or the back's `lanes`)
+        over `x` (codes or latents): its captured graph for (n, rows) where there is one, else
+        `run` itself. `lanes_t`, `starts_t`: on the device, padded to at least the graph's rows
+        (`_inputs`). Its output and its new state (to commit once the push has run)."""
         rows = self._rows(n, b, graphs)
-        lanes_t, starts_t = self._inputs(lanes, starts, rows)
         graph = graphs.get((n, rows))
         if graph is None:
             out, state = run(lanes_t[:b], starts_t[:b], x)
         else:
-            out, state = graph(lanes_t, starts_t, x)
+            out, state = graph(lanes_t[:rows], starts_t[:rows], x)
             # Copies: another batch of this push may replay the same graph.
             out, state = out[:b].clone(), torch._foreach_mul([t[:b] for t in state], 1)
         return out, _Ran(lanes_t[:b], starts_t[:b], n, state)

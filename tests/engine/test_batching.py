@@ -289,14 +289,14 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
     codec = batcher._codec.codec
     half, cursed = codec._half, []
 
-    def failing(graphs, run, n, lanes, starts, x):
+    def failing(graphs, run, n, b, lanes, starts, x):
         if graphs is codec.backs:  # a batch of backs
             cursed[:] = cursed or [int(lanes[0])]  # the lane of the first piece the codec ever decodes
-            if cursed[0] in lanes:  # its batch's fronts have run: no lane's state has moved on yet
-                if len(lanes) == 1:  # retried alone, it fails for good: its lane serves the next one
+            if cursed[0] in lanes[:b].tolist():  # no lane's state has moved on yet (commits come after every batch)
+                if b == 1:  # retried alone, it fails for good: its lane serves the next one
                     cursed[0] = -1
                 raise RuntimeError("codec broke")
-        return half(graphs, run, n, lanes, starts, x)
+        return half(graphs, run, n, b, lanes, starts, x)
 
     codec._half = failing
     jobs = [Job(TEXTS[i % 4], params=SamplingParams(seed=i, max_new_tokens=12)) for i in range(3)]

@@ -480,8 +480,8 @@ class CodecWorker:
         """One batch of pieces queued through the codec: their codes to the GPU in one copy
         (through pinned memory, `to_device`: a pageable copy waits for the whole batch inside
         the driver, and the decode loop's CUDA calls wait with it), each back batch's audio
-        started home as soon as it is queued. A batch that raises leaves its streams' states as they were
-        (`StreamingCodec.push`)."""
+        started home as soon as it is queued. A batch that raises leaves its streams' states as
+        they were (`StreamingCodec.push`)."""
         on_device = to_device(torch.from_numpy(codes), self.engine.device)
         return self.codec.push(lanes, self._state.pieces[lanes], on_device, taken, home=True)
 
