@@ -5,7 +5,7 @@ the codec thread and its audio as it leaves it; a listener's wait is the decode'
 of the piece that ends it were not yet decoded, the codec's after.
 
     python benchmarks/listeners.py CHECKPOINT [--listeners 512,576,640] [--duration 30]
-        [--max-seq-len 2048] [--codec-spare 0.3,0.6] [--out DIR]
+        [--max-seq-len 2048] [--codec-set spare_s=0.6 ...] [--profile-s 3] [--out DIR]
 
 The engine starts as `fish-sm serve` starts it (`start_engine`, FISH_SM_* settings; here
 FISH_SM_BENCHMARK_LENGTHS=true and FISH_SM_CAPTURE=all unless set), so a level runs with every
@@ -13,9 +13,16 @@ graph captured. Instruments only its own engine object (wrapping five of its cod
 methods on the instance). One JSON line per level; DIR/listeners.json (DIR: --out, else $OUT,
 else .). On a CPU it runs on a tiny checkpoint, to check the script.
 
-`--codec-spare` runs every level once per value of the codec worker's `spare_s` (a piece whose
-listener has less audio left than this goes beside a batch on the GPU rather than wait for
-company), set on this engine object."""
+`--codec-set NAME=VALUE,...` (repeatable) runs every level once more with those attributes of the
+codec worker set on this engine object (`spare_s`: a piece whose listener has less audio left goes
+beside a batch on the GPU rather than wait for company; `depth`: batches on the GPU at once;
+`max_frames`: frames a batch holds at most; `stream=decode`: the codec's work queued on the
+decode loop's CUDA stream, one after the other, instead of its own stream beside it, the engine's
+threads restarted to take it), after the levels as shipped.
+
+`--profile-s S` records S seconds of the GPU's work (torch.profiler, CUDA activity only) from the
+middle of each level: each CUDA stream's busy time, the decode's and the codec's together, and
+the GPU's busy fraction (the union of every stream's kernels and copies) over the window."""
 
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ class Recorder:
         self.events: list = []
         self.batches: list = []
         self.latencies: list = []
+        self.thread_s = {"launch": 0.0, "finish": 0.0}  # the codec thread's time in each
         open_, frames, push = worker.open, worker.frames, worker.codec.push
         launch, finish = worker._launch, worker._finish
         clock = time.perf_counter
@@ -52,12 +60,15 @@ class Recorder:
         def launching():
             at, ahead = clock(), len(worker._flying)
             batch = launch()
+            self.thread_s["launch"] += clock() - at
             if batch is not None:
                 launched[id(batch)] = (at, ahead)
             return batch
 
         def finishing(batch):
+            began = clock()
             finish(batch)
+            self.thread_s["finish"] += clock() - began
             at, ahead = launched.pop(id(batch), (None, 0))
             if at is not None:
                 self.latencies.append((clock() - at, ahead))
@@ -89,6 +100,7 @@ class Recorder:
 
     def clear(self) -> None:
         self.events, self.batches, self.latencies, self.pauses = [], [], [], []
+        self.thread_s = {"launch": 0.0, "finish": 0.0}
 
     def frame_times(self) -> dict[int, list[float]]:
         """Each ticket's (by id) frames' arrival times at the codec thread."""
@@ -128,7 +140,60 @@ def first_audio_parts(records: dict, frame_times: dict, first_piece: int) -> dic
     return {name: percentiles_ms(values) for name, values in parts.items()}
 
 
-def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, seed: int) -> dict:
+class GpuWindow:
+    """The GPU's work recorded from `start_s` into a level to its end (CUDA activity only; on a
+    CPU, the CPU's, to check the script), summarised over its first `seconds`."""
+
+    def __init__(self, start_s: float, seconds: float):
+        self.start_s, self.seconds = start_s, seconds
+        self.profile, self.summary = None, None
+
+    def poll(self, elapsed_s: float) -> None:
+        import torch
+
+        if self.seconds and self.profile is None and elapsed_s >= self.start_s:
+            activity = torch.profiler.ProfilerActivity
+            self.profile = torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU])
+            self.profile.__enter__()
+
+    def finish(self) -> None:
+        """Stop and summarise, once the level is over (both hold the GIL for seconds: during a
+        level they would stall the engine's threads)."""
+        if self.profile is not None and self.summary is None:
+            self.profile.__exit__(None, None, None)
+            self.summary = gpu_window(self.profile, self.seconds)
+
+
+def gpu_window(prof, window_s: float) -> dict:
+    """Over the first `window_s` seconds of the recorded GPU work: each stream's busy ms, the
+    decode's and codec's overlap, and the union of every stream's work against the window."""
+    import tempfile
+
+    from benchmarks.batching_profile import overlap_ms, stream_times
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        trace = json.loads(Path(path).read_text())["traceEvents"]
+    spans = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    began = min((e["ts"] for e in spans), default=0.0)
+    streams = stream_times([e for e in spans if e["ts"] < began + 1e6 * window_s])
+    merged: list = []
+    for lo, hi in sorted(iv for s in streams.values() for iv in s["intervals"]):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    ranked = sorted(streams, key=lambda s: (not streams[s]["decode"], -streams[s]["busy_ms"]))
+    out = {"window_ms": 1e3 * window_s, "gpu_busy_ms": sum(hi - lo for lo, hi in merged) / 1e3,
+           "streams": {str(s): {k: round(v, 1) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}
+    out["gpu_busy_fraction"] = out["gpu_busy_ms"] / out["window_ms"]
+    if len(ranked) > 1:
+        out["decode_and_codec_together_ms"] = overlap_ms(streams[ranked[0]]["intervals"], streams[ranked[1]]["intervals"])
+    return out
+
+
+def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, seed: int, profile_s: float = 0.0) -> dict:
     from fish_sm.clients.bench import REJECTED
     from fish_sm.clients.capacity import Mix, Population, StreamSample, playback_waits, summarize_level
     from fish_sm.contract import SamplingParams
@@ -189,12 +254,14 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
                             **fields)
 
     samples, outstanding = [], 0
+    window = GpuWindow(duration_s / 2, profile_s)
     while due or outstanding:
         now = time.perf_counter() - t0
+        window.poll(now)
         while due and due[0][0] <= now:
             submit(heapq.heappop(due)[2])
             outstanding += 1
-        wait = max(0.0, due[0][0] - now) if due else 1.0
+        wait = min(max(0.0, due[0][0] - now) if due else 1.0, 0.1)
         try:
             record = finished.get(timeout=wait)
         except queue.Empty:
@@ -206,6 +273,7 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
         if nxt is not None:
             heapq.heappush(due, (nxt.at_s, nxt.index, nxt))
     wall = time.perf_counter() - t0
+    window.finish()
     level = summarize_level(samples, wall, listeners, len(samples) / duration_s, duration_s, population="closed loop")
 
     # Where the waits came from: the decode (the piece's last frame not yet at the codec thread
@@ -240,7 +308,10 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
         "gc_pauses": {"count": len(recorder.pauses), "total_s": sum(t for _, t in recorder.pauses),
                       "max_ms": 1e3 * max((t for _, t in recorder.pauses), default=0.0),
                       "full": sum(1 for g, _ in recorder.pauses if g == 2)},
+        "codec_thread_fraction": {k: v / wall for k, v in recorder.thread_s.items()},
     }
+    if window.summary is not None:
+        level["gpu_window"] = window.summary
     return level
 
 
@@ -252,7 +323,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request")
     p.add_argument("--device", default="auto")
-    p.add_argument("--codec-spare", default="", help="values of the codec's spare_s to run each level with, comma-separated")
+    p.add_argument("--codec-set", action="append", default=[], metavar="NAME=VALUE,...",
+                   help="also run every level with these codec worker attributes set (repeatable)")
+    p.add_argument("--profile-s", type=float, default=0.0, help="seconds of GPU work to record from the middle of each level")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where listeners.json goes")
     args = p.parse_args()
     os.environ.setdefault("FISH_SM_BENCHMARK_LENGTHS", "true")
@@ -271,14 +344,30 @@ def main() -> None:
     recorder = Recorder(batcher._codec)
     levels = []
     try:
-        for spare_s in [float(x) for x in args.codec_spare.split(",") if x] or [batcher._codec.spare_s]:
-            batcher._codec.spare_s = spare_s
+        worker = batcher._codec
+        shipped = {name: getattr(worker, name) for name in ("spare_s", "depth", "max_frames")}
+        streams = {"own": worker._cuda, "decode": batcher.decode_stream}
+        shipped["stream"] = "own"
+        for variant in [""] + args.codec_set:
+            settings = dict(shipped)
+            for item in filter(None, variant.split(",")):
+                name, _, value = item.partition("=")
+                if name not in shipped or (name == "stream" and value not in streams):
+                    raise SystemExit(f"--codec-set {item!r}: one of {', '.join(shipped)} (stream: own or decode)")
+                settings[name] = value if name == "stream" else type(shipped[name])(float(value))
+            for name, value in settings.items():
+                if name != "stream":
+                    setattr(worker, name, value)
+            if streams[settings["stream"]] is not worker._cuda:  # the threads take their streams as they start
+                batcher.stop()
+                worker._cuda = streams[settings["stream"]]
+                batcher.start()
             for n in [int(x) for x in args.listeners.split(",")]:
-                level = run_level(batcher, recorder, n, args.duration, args.seed)
-                level["codec_spare_s"] = spare_s
+                level = run_level(batcher, recorder, n, args.duration, args.seed, args.profile_s)
+                level["codec"] = settings
                 levels.append(level)
-                keep = {k: level[k] for k in ("codec_spare_s", "listeners", "requests", "ok", "first_audio_ms", "underrun",
-                                              "audio_seconds_per_wall_second", "passed", "where")}
+                keep = {k: level[k] for k in ("codec", "listeners", "requests", "ok", "first_audio_ms", "underrun",
+                                              "audio_seconds_per_wall_second", "passed", "where", "gpu_window") if k in level}
                 print(json.dumps(keep), flush=True)
     finally:
         batcher.stop()

@@ -17,10 +17,12 @@ that gathers its lanes' state, runs, and returns the new state:
   most `max_batch_frames` frames, which the GPU runs 2-4x faster per frame than one at a
   time; on CUDA it is compiled (inductor fuses the Snake activations and residual adds that
   eager mode runs as ~600 separate kernels).
-On CUDA each batch size and length of either half is a CUDA graph, gathers and all: a batch
-of pieces costs a few copies and replays, never work per stream on the host. New states are
-written back to the lanes (`commit`) once the whole batch has run, so a batch that fails
-leaves every stream as it was, to be retried.
+On CUDA each batch size and length of either half is a CUDA graph, gathers and new states'
+writes (`commit`) included: a batch of pieces costs a few copies and replays, never work per
+stream or per state tensor on the host. A batch run without graphs writes its lanes' new states
+once both halves have run. So a push that fails has moved on only the lanes of the batches that
+ran before the failure, and says which (`PartlyRun`, with their audio): the others are as they
+were, to be retried.
 
 A stream's last piece, when shorter than its scheduled length, runs through both halves over
 the shortest scheduled length that holds it, not the whole scheduled length: the codec is
@@ -334,9 +336,19 @@ class ConvBack(nn.Module):
         return self.run(latents, self.contexts.gather(lanes, starts == 0))
 
 
+class PartlyRun(RuntimeError):
+    """A push failed after some of its batches ran: `pieces` holds their audio (their lanes
+    have moved on); the other lanes are as they were."""
+
+    def __init__(self, pieces: "Pieces"):
+        super().__init__(f"a codec push failed after {len(pieces.parts)} of its batches ran")
+        self.pieces = pieces
+
+
 @dataclass
 class _Ran:
-    """A batch of one half that ran: its lanes and positions, and the new state to commit."""
+    """A batch of one half that ran without a graph: its lanes and positions, and the new state
+    to commit."""
 
     lanes: Tensor
     starts: Tensor
@@ -416,6 +428,7 @@ class StreamingCodec:
         self.fronts: dict[tuple[int, int], Replay] = {}  # (frames, rows) -> graph
         self.backs: dict[tuple[int, int], Replay] = {}
         self.pending_captures: list[tuple[int, int]] = []  # (frames, rows) left by `capture` for `capture_next`
+        self._fitting: dict[tuple, int] = {}  # `_rows`' answers
         self.lanes = 0
         if lanes:
             self.allocate(lanes)
@@ -462,8 +475,9 @@ class StreamingCodec:
         than scheduled for a stream's last piece). The pieces run by length, the shortest (a
         stream's first pieces, whose listeners have the least audio) first, each batch's front
         then its back; `home`: each back batch's audio starts home as soon as it is queued
-        (`Pieces.home`). Each lane's state moves on by one piece, but only once every batch has
-        run: if this raises, every lane is as it was."""
+        (`Pieces.home`). Each lane's state moves on by one piece as its batch runs: if this
+        raises before any batch ran, every lane is as it was; after, it raises `PartlyRun` with
+        the audio of the batches that ran (only their lanes moved on)."""
         lanes, pieces, frames = (np.asarray(a, np.int64) for a in (lanes, pieces, frames))
         if lanes.size and (lanes.min() < 0 or lanes.max() >= self.lanes):
             raise ValueError(f"lanes must be in [0, {self.lanes}), got {lanes.tolist()}")
@@ -486,23 +500,29 @@ class StreamingCodec:
         if (by_length != np.arange(len(by_length))).any():
             codes = codes.index_select(0, to_device(torch.from_numpy(by_length), codes.device))
         out = Pieces(len(lanes))
-        ran: list[tuple[Callable, _Ran]] = []
         steps, frame_length = self.back.steps, self.codec.frame_length
         runs, firsts = np.unique(lengths[by_length], return_index=True)
         ends = np.append(firsts[1:], len(by_length))
-        for n, first, end in zip(runs.tolist(), firsts.tolist(), ends.tolist()):
-            for at in range(first, end, self.rows_for(n)):
-                upto = min(at + self.rows_for(n), end)
-                rows, b = by_length[at:upto], upto - at
-                # One copy of the lanes and positions for both halves, padded for the larger graph.
-                padded = max(self._rows(n, b, self.fronts), self._rows(n, b, self.backs))
-                lanes_t, starts_t = self._inputs(lanes[rows], starts[rows], padded)
-                z, front = self._half(self.fronts, self._front, n, b, lanes_t, starts_t, codes[at:upto, :, :n])
-                audio, back = self._half(self.backs, self.back.lanes, n, b, lanes_t, starts_t, z[..., : n * steps])
-                out.add(rows, audio, frames[rows] * frame_length, home)
-                ran += [(self.front.commit, front), (self._commit_back, back)]
-        for commit, done in ran:
-            commit(done.lanes, done.starts, done.frames, done.state)
+        try:
+            for n, first, end in zip(runs.tolist(), firsts.tolist(), ends.tolist()):
+                for at in range(first, end, self.rows_for(n)):
+                    upto = min(at + self.rows_for(n), end)
+                    rows, b = by_length[at:upto], upto - at
+                    # One copy of the lanes and positions for both halves, padded for the larger graph.
+                    padded = max(self._rows(n, b, self.fronts), self._rows(n, b, self.backs))
+                    lanes_t, starts_t = self._inputs(lanes[rows], starts[rows], padded)
+                    z, front = self._half(self.fronts, self._front, n, b, lanes_t, starts_t, codes[at:upto, :, :n])
+                    audio, back = self._half(self.backs, self.back.lanes, n, b, lanes_t, starts_t, z[..., : n * steps])
+                    for commit, ran in ((self.front.commit, front), (self._commit_back, back)):
+                        if ran is not None:  # (a graph wrote its lanes' new state itself)
+                            commit(ran.lanes, ran.starts, ran.frames, ran.state)
+                    if back is None and not home:  # the graph's own output: its next replay overwrites it
+                        audio = audio.clone()
+                    out.add(rows, audio, frames[rows] * frame_length, home)
+        except Exception as exc:
+            if out.parts:
+                raise PartlyRun(out) from exc
+            raise
         return out
 
     def _commit_back(self, lanes: Tensor, starts: Tensor, frames: int, values: list[Tensor]) -> None:
@@ -517,29 +537,48 @@ class StreamingCodec:
 
     def _rows(self, n: int, b: int, graphs: dict) -> int:
         """The graph's rows for `b` pieces of `n` frames: the smallest captured that holds them (else b)."""
-        fits = [rows for frames, rows in list(graphs) if frames == n and rows >= b]  # (a thread may be adding one)
-        return min(fits) if fits else b
+        key = (graphs is self.fronts, n, b, len(graphs))  # (graphs are only ever added)
+        rows = self._fitting.get(key)
+        if rows is None:
+            fits = [rows for frames, rows in list(graphs) if frames == n and rows >= b]  # (a thread may be adding one)
+            rows = self._fitting[key] = min(fits) if fits else b
+        return rows
+
+    def _graphed(self, n: int, b: int) -> bool:
+        """Both halves of `b` pieces of `n` frames have graphs (while the capturing thread adds
+        a shape's, a batch runs without them: one half's graph would move its lanes' state on
+        before the other half ran)."""
+        return (n, self._rows(n, b, self.fronts)) in self.fronts and (n, self._rows(n, b, self.backs)) in self.backs
 
     def _half(self, graphs: dict, run: Callable, n: int, b: int, lanes_t: Tensor, starts_t: Tensor,
-              x: Tensor) -> tuple[Tensor, _Ran]:
+              x: Tensor) -> tuple[Tensor, _Ran | None]:
         """One batch of `b` pieces through either half (`run`: `_front` or the back's `lanes`)
-        over `x` (codes or latents): its captured graph for (n, rows) where there is one, else
-        `run` itself. `lanes_t`, `starts_t`: on the device, padded to at least the graph's rows
-        (`_inputs`). Its output and its new state (to commit once the push has run)."""
-        rows = self._rows(n, b, graphs)
-        graph = graphs.get((n, rows))
-        if graph is None:
+        over `x` (codes or latents): its captured graph for (n, rows) where both halves have
+        one, else `run` itself. `lanes_t`, `starts_t`: on the device, padded to at least the
+        graph's rows (`_inputs`). Its output (a graph's: valid until its next replay) and, run
+        without a graph, its new state to commit (a graph commits its own)."""
+        if not self._graphed(n, b):
             out, state = run(lanes_t[:b], starts_t[:b], x)
-        else:
-            out, state = graph(lanes_t[:rows], starts_t[:rows], x)
-            # Copies: another batch of this push may replay the same graph.
-            out, state = out[:b].clone(), torch._foreach_mul([t[:b] for t in state], 1)
-        return out, _Ran(lanes_t[:b], starts_t[:b], n, state)
+            return out, _Ran(lanes_t[:b], starts_t[:b], n, state)
+        rows = self._rows(n, b, graphs)
+        return graphs[(n, rows)](lanes_t[:rows], starts_t[:rows], x)[:b], None
 
     def _front(self, lanes: Tensor, starts: Tensor, codes: Tensor) -> tuple[Tensor, list[Tensor]]:
         state = self.front.gather(lanes, starts)
         z = self.front.quantizer.decode(codes, state).to(self.back.dtype)  # (the latents the back's graphs take)
         return z, self.front.outputs(state, codes.shape[-1])
+
+    def _front_committed(self, lanes: Tensor, starts: Tensor, codes: Tensor) -> Tensor:
+        """`_front` with its new state written to the lanes (what a front's graph runs; padding
+        rows write the scratch lane's)."""
+        z, state = self._front(lanes, starts, codes)
+        self.front.commit(lanes, starts, codes.shape[-1], state)
+        return z
+
+    def _back_committed(self, lanes: Tensor, starts: Tensor, latents: Tensor) -> Tensor:
+        audio, state = self.back.lanes(lanes, starts, latents)
+        self.back.contexts.commit(lanes, state)
+        return audio
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -610,9 +649,10 @@ class StreamingCodec:
         lanes = torch.full((rows,), scratch, dtype=torch.long, device=device)
         starts = torch.zeros(rows, dtype=torch.long, device=device)
         codes = torch.zeros(rows, self.codec.n_rows, n, dtype=torch.long, device=device)
-        self.fronts[(n, rows)] = Replay(self._front, [lanes, starts, codes], self.captures, self.captures.matmuls)
+        self.fronts[(n, rows)] = Replay(self._front_committed, [lanes, starts, codes], self.captures,
+                                        self.captures.matmuls)
         if rows > 1 or self._most_rows(n) == 1:
-            self.backs[(n, rows)] = Replay(self.back.lanes, [lanes.clone(), starts.clone(), self.back.silence(rows, n)],
+            self.backs[(n, rows)] = Replay(self._back_committed, [lanes.clone(), starts.clone(), self.back.silence(rows, n)],
                                            self.captures, cudnn_benchmark)
 
     @property

@@ -283,8 +283,9 @@ def _wait(condition, timeout=30.0):
 
 def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
     """A batch of pieces that fails is retried piece by piece, each stream from the state it
-    had before: the request whose piece fails gets the error, the others in that batch still
-    get their whole audio."""
+    had before (the pieces of batches that ran before the failure are delivered as they came):
+    the request whose piece fails gets the error, the others in that batch still get their
+    whole audio."""
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4)
     codec = batcher._codec.codec
     half, cursed = codec._half, []
@@ -292,7 +293,7 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
     def failing(graphs, run, n, b, lanes, starts, x):
         if graphs is codec.backs:  # a batch of backs
             cursed[:] = cursed or [int(lanes[0])]  # the lane of the first piece the codec ever decodes
-            if cursed[0] in lanes[:b].tolist():  # no lane's state has moved on yet (commits come after every batch)
+            if cursed[0] in lanes[:b].tolist():  # (this batch's lanes have not moved on: its commits come after its back)
                 if b == 1:  # retried alone, it fails for good: its lane serves the next one
                     cursed[0] = -1
                 raise RuntimeError("codec broke")
@@ -394,6 +395,42 @@ def test_with_nothing_on_the_gpu_every_ready_piece_goes_in_one_batch(solo):
     assert not decode_next(worker)
 
 
+def test_a_batch_that_fails_after_its_short_pieces_ran_delivers_them_once(solo):
+    """A batch whose longer pieces fail after its shorter ones ran (`PartlyRun`): the pieces
+    that ran are delivered as they came, not decoded a second time from a state that has moved
+    on, and the others retried alone; each stream's audio is its codes' whole decode."""
+    worker = CodecWorker(solo, first_piece=4, largest_piece=16, lanes=4)
+    hand = HandDriven(worker)
+    rng = np.random.default_rng(5)
+    codes = {name: list(rng.integers(0, 1024, (28, solo.config.num_codebooks))) for name in ("a", "b")}
+    a, b = hand.open("a"), hand.open("b")
+    hand.give(a, codes[a][:4])
+    hand.give(b, codes[b][:4])
+    assert decode_next(worker)  # both first pieces
+    hand.give(a, codes[a][4:12])
+    assert decode_next(worker)  # a's second
+    hand.give(a, codes[a][12:28])  # a's third piece: 16 frames
+    hand.give(b, codes[b][4:12])  # b's second: 8, from the state its first left
+    codec, half, broke = worker.codec, worker.codec._half, []
+
+    def failing_once(graphs, run, n, batch, lanes, starts, x):
+        if graphs is codec.backs and n == 16 and not broke:
+            broke.append(n)
+            raise RuntimeError("codec broke")
+        return half(graphs, run, n, batch, lanes, starts, x)
+
+    codec._half = failing_once
+    assert decode_next(worker)  # b's piece ran, a's failed: b's is delivered and a's retried alone
+    assert broke and hand.events[a] == ["audio"] * 3 and hand.events[b] == ["audio"] * 2
+    hand.give(b, codes[b][12:28])
+    while decode_next(worker):
+        pass
+    with torch.inference_mode():
+        for name in (a, b):
+            whole = solo.codec.decode(torch.from_numpy(np.stack(codes[name], axis=1))[None])[0].numpy()
+            np.testing.assert_allclose(np.concatenate(hand.audio[name]), whole, atol=1e-4)
+
+
 def test_while_a_batch_is_on_the_gpu_pieces_with_audio_to_spare_wait(solo, monkeypatch):
     """With a batch on the GPU, a piece goes in the next only when it is urgent (its listener
     has less than `spare_s` of audio left, or it is a stream's first or last piece) or a full
@@ -455,7 +492,8 @@ def test_a_batch_holds_the_pieces_wanted_soonest(solo, monkeypatch):
     audio first go, the others in the next batch."""
     frozen_clock(monkeypatch)  # (deadlines from given audio alone)
     worker = CodecWorker(solo, first_piece=4, largest_piece=8, lanes=8)
-    worker.codec.max_batch_frames = 8  # a batch of at most 16 frames: two pieces of 8
+    worker.codec.max_batch_frames = 8  # one piece of 8 fills a back's batch ...
+    worker.max_frames = 16  # ... and a batch holds two at most
     hand = HandDriven(worker)
     rng = np.random.default_rng(1)
     frames = lambda n: list(rng.integers(0, 1024, (n, solo.config.num_codebooks)))

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fish_sm.engine.codec_stream import ConvBack, StreamingCodec, decode_in_pieces, piece_frames, piece_start
+from fish_sm.engine.codec_stream import (ConvBack, PartlyRun, StreamingCodec, decode_in_pieces, piece_frames,
+                                        piece_start)
 from fish_sm.errors import FishSMError
 from fish_sm.model.codec import CodecConfig, codec_from_state_dict
 from fish_sm.model.random_weights import build_codec_state_dict
@@ -90,8 +91,9 @@ def test_lanes_keep_their_streams_apart_and_a_lane_starts_afresh_at_piece_zero(e
 
 
 def test_a_push_that_fails_leaves_every_lane_as_it_was(engine, monkeypatch):
-    """States are written back only once every batch of a push has run: after a back that
-    raises, the same pieces pushed again decode as if the failure never happened."""
+    """A batch's states are written back once both its halves ran: after a back that raises
+    in a push's only batch, the same pieces pushed again decode as if the failure never
+    happened."""
     codec = engine.codec
     codes = [torch.randint(0, 1024, (1, codec.n_rows, 14), generator=torch.Generator().manual_seed(5 + i)) for i in range(2)]
     pieces = StreamingCodec(codec, first=2, largest=8, lanes=2)
@@ -106,6 +108,31 @@ def test_a_push_that_fails_leaves_every_lane_as_it_was(engine, monkeypatch):
         out.append(push_batch(pieces, [(i, 2, c[..., 6:14]) for i, c in enumerate(codes)]))
     for i, c in enumerate(codes):
         torch.testing.assert_close(torch.cat([o[i] for o in out], dim=-1), codec.decode(c), atol=1e-4, rtol=0)
+
+
+def test_a_push_that_fails_after_a_batch_ran_gives_that_batch_s_audio(engine, monkeypatch):
+    """Pieces of two lengths, the longer's back raising: the push says the shorter ones ran
+    (`PartlyRun`, with their audio, their lanes moved on); the longer one, pushed again alone,
+    decodes as if the failure never happened."""
+    codec = engine.codec
+    codes = [torch.randint(0, 1024, (1, codec.n_rows, 6), generator=torch.Generator().manual_seed(9 + i)) for i in range(2)]
+    pieces = StreamingCodec(codec, first=2, largest=8, lanes=2)
+    run = pieces.back.run
+    with torch.inference_mode():
+        first = push_batch(pieces, [(1, 0, codes[1][..., :2])])  # lane 1 a piece ahead: its next is 4 frames
+        monkeypatch.setattr(pieces.back, "run", lambda z, c: (_ for _ in ()).throw(RuntimeError("back broke"))
+                            if z.shape[-1] == 4 * pieces.back.steps else run(z, c))
+        with pytest.raises(PartlyRun) as failed:
+            push_batch(pieces, [(0, 0, codes[0][..., :2]), (1, 1, codes[1][..., 2:6])])
+        assert isinstance(failed.value.__cause__, RuntimeError)
+        ran = failed.value.pieces.host()
+        assert ran[1] is None and ran[0] is not None  # lane 0's first piece ran; lane 1's did not
+        monkeypatch.setattr(pieces.back, "run", run)
+        again = push_batch(pieces, [(1, 1, codes[1][..., 2:6])])
+        rest = push_batch(pieces, [(0, 1, codes[0][..., 2:6])])
+    torch.testing.assert_close(torch.cat([torch.from_numpy(ran[0])[None], rest[0]], dim=-1), codec.decode(codes[0]),
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([first[0], again[0]], dim=-1), codec.decode(codes[1]), atol=1e-4, rtol=0)
 
 
 def test_a_push_checks_its_lanes_and_the_streams_length(engine):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from fish_sm.engine.codec_stream import Pieces, StreamingCodec
+from fish_sm.engine.codec_stream import PartlyRun, Pieces, StreamingCodec
 from fish_sm.engine.synthesis import Synthesis
 from fish_sm.engine.generate import to_device
 from fish_sm.engine.batching.request import EngineStopped, Ticket
@@ -161,6 +161,8 @@ class CodecWorker:
         # Pieces with audio to spare wait while a batch is on the GPU, so that under load the
         # codec decodes fewer, larger batches (its cost is per batch far more than per frame).
         self.spare_s, self.whole_wait_s = SPARE_S, WHOLE_WAIT_S
+        # Frames in one batch at most: a first piece ready meanwhile waits behind it.
+        self.max_frames = 2 * self.codec.max_batch_frames
         # Held while a graph is captured, by this worker's capturing thread and by the engine's
         # thread: one capture at a time, the engine's first.
         self.capture_lock = CaptureLock()
@@ -408,16 +410,25 @@ class CodecWorker:
         batch = _Batch(group, taken, s.generation[group].copy())
         try:
             batch.pieces = self._pieces(group, codes, taken)
-        except Exception:  # find the one that fails: each alone (their states are as they were)
+        except Exception as exc:  # find the one that fails: each alone, from the state it had
             logger.exception("codec failed on a batch of %d pieces; retrying them one by one", len(group))
-            batch.audio = self._one_by_one(group, codes, taken)
+            batch.audio = self._retried(group, codes, taken, exc)
         self._flying.append(batch)
         return batch
 
-    @property
-    def max_frames(self) -> int:
-        """Frames in one batch at most: a first piece ready meanwhile waits behind it."""
-        return 2 * self.codec.max_batch_frames
+    def _retried(self, lanes: np.ndarray, codes: np.ndarray, taken: np.ndarray, exc: Exception) -> list:
+        """A failed batch's audio: the pieces whose batches ran before the failure as they came
+        (`PartlyRun`: their lanes have moved on), the others one by one."""
+        audio: list = [None] * len(lanes)
+        retry = np.ones(len(lanes), bool)
+        if isinstance(exc, PartlyRun):
+            for rows, samples in exc.pieces.home():
+                for row, one in zip(rows, samples):
+                    audio[row], retry[row] = one, False
+        again = np.flatnonzero(retry)
+        for row, one in zip(again, self._one_by_one(lanes[again], codes[again], taken[again])):
+            audio[row] = one
+        return audio
 
     def _deadlines(self, lanes: np.ndarray, now: float) -> np.ndarray:
         """When each ready piece is wanted (time.perf_counter): a streamed piece when its listener
@@ -481,7 +492,7 @@ class CodecWorker:
         (through pinned memory, `to_device`: a pageable copy waits for the whole batch inside
         the driver, and the decode loop's CUDA calls wait with it), each back batch's audio
         started home as soon as it is queued. A batch that raises leaves its streams' states as
-        they were (`StreamingCodec.push`)."""
+        they were, but for those `PartlyRun` names (`StreamingCodec.push`)."""
         on_device = to_device(torch.from_numpy(codes), self.engine.device)
         return self.codec.push(lanes, self._state.pieces[lanes], on_device, taken, home=True)
 
