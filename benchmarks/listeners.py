@@ -5,7 +5,7 @@ the codec thread and its audio as it leaves it; a listener's wait is the decode'
 of the piece that ends it were not yet decoded, the codec's after.
 
     python benchmarks/listeners.py CHECKPOINT [--listeners 512,576,640] [--duration 30]
-        [--max-seq-len 2048] [--codec-set spare_s=0.6 ...] [--profile-s 3] [--out DIR]
+        [--max-seq-len 2048] [--variant spare_s=0.6 ...] [--profile-s 3] [--out DIR]
 
 The engine starts as `fish-sm serve` starts it (`start_engine`, FISH_SM_* settings; here
 FISH_SM_BENCHMARK_LENGTHS=true and FISH_SM_CAPTURE=all unless set), so a level runs with every
@@ -13,12 +13,14 @@ graph captured. Instruments only its own engine object (wrapping five of its cod
 methods on the instance). One JSON line per level; DIR/listeners.json (DIR: --out, else $OUT,
 else .). On a CPU it runs on a tiny checkpoint, to check the script.
 
-`--codec-set NAME=VALUE,...` (repeatable) runs every level once more with those attributes of the
-codec worker set on this engine object (`spare_s`: a piece whose listener has less audio left goes
-beside a batch on the GPU rather than wait for company; `depth`: batches on the GPU at once;
-`max_frames`: frames a batch holds at most; `stream=decode`: the codec's work queued on the
-decode loop's CUDA stream, one after the other, instead of its own stream beside it, the engine's
-threads restarted to take it), after the levels as shipped.
+`--variant NAME=VALUE,...` (repeatable) runs every level once more, after the levels as shipped,
+with those attributes set on this engine object. The codec worker's: `spare_s` (a piece whose
+listener has less audio left goes beside a batch on the GPU rather than wait for company),
+`depth` (batches on the GPU at once), `max_frames` (frames a batch holds at most), `stream=decode`
+(the codec's work queued on the decode loop's CUDA stream, one after the other, instead of its own
+stream beside it; the engine's threads restarted to take it). The scheduler's: `step_wait_s` and
+`step_spare_s` (a step whose rows all have more slack than `step_spare_s` waits for company up to
+`step_wait_s` after the last), `horizon_s` (slack past which a stream yields its turn).
 
 `--profile-s S` records S seconds of the GPU's work (torch.profiler, CUDA activity only) from the
 middle of each level: each CUDA stream's busy time, the decode's and the codec's together, and
@@ -323,8 +325,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV length per request")
     p.add_argument("--device", default="auto")
-    p.add_argument("--codec-set", action="append", default=[], metavar="NAME=VALUE,...",
-                   help="also run every level with these codec worker attributes set (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE,...",
+                   help="also run every level with these codec worker or scheduler attributes set (repeatable)")
     p.add_argument("--profile-s", type=float, default=0.0, help="seconds of GPU work to record from the middle of each level")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where listeners.json goes")
     args = p.parse_args()
@@ -344,29 +346,30 @@ def main() -> None:
     recorder = Recorder(batcher._codec)
     levels = []
     try:
-        worker = batcher._codec
-        shipped = {name: getattr(worker, name) for name in ("spare_s", "depth", "max_frames")}
+        worker, scheduler = batcher._codec, batcher.scheduler
+        owners = {name: worker for name in ("spare_s", "depth", "max_frames")}
+        owners.update({name: scheduler for name in ("step_wait_s", "step_spare_s", "horizon_s")})
+        shipped = {name: getattr(owner, name) for name, owner in owners.items()}
         streams = {"own": worker._cuda, "decode": batcher.decode_stream}
         shipped["stream"] = "own"
-        for variant in [""] + args.codec_set:
+        for variant in [""] + args.variant:
             settings = dict(shipped)
             for item in filter(None, variant.split(",")):
                 name, _, value = item.partition("=")
                 if name not in shipped or (name == "stream" and value not in streams):
-                    raise SystemExit(f"--codec-set {item!r}: one of {', '.join(shipped)} (stream: own or decode)")
+                    raise SystemExit(f"--variant {item!r}: one of {', '.join(shipped)} (stream: own or decode)")
                 settings[name] = value if name == "stream" else type(shipped[name])(float(value))
-            for name, value in settings.items():
-                if name != "stream":
-                    setattr(worker, name, value)
+            for name, owner in owners.items():
+                setattr(owner, name, settings[name])
             if streams[settings["stream"]] is not worker._cuda:  # the threads take their streams as they start
                 batcher.stop()
                 worker._cuda = streams[settings["stream"]]
                 batcher.start()
             for n in [int(x) for x in args.listeners.split(",")]:
                 level = run_level(batcher, recorder, n, args.duration, args.seed, args.profile_s)
-                level["codec"] = settings
+                level["variant"] = settings
                 levels.append(level)
-                keep = {k: level[k] for k in ("codec", "listeners", "requests", "ok", "first_audio_ms", "underrun",
+                keep = {k: level[k] for k in ("variant", "listeners", "requests", "ok", "first_audio_ms", "underrun",
                                               "audio_seconds_per_wall_second", "passed", "where", "gpu_window") if k in level}
                 print(json.dumps(keep), flush=True)
     finally:

@@ -81,6 +81,39 @@ def test_a_stream_with_its_horizon_buffered_yields_until_its_listener_catches_up
     assert list(s.decoding()) == slots(behind, ahead)
 
 
+def test_a_step_whose_rows_all_have_slack_to_spare_waits_for_company():
+    """With `step_wait_s` set, a step waits up to that long after the last one while every row
+    has more than `step_spare_s` of slack; a row nearer its listener, or a new request's first
+    frames, goes at once. Off (0), the default, every wanting row steps at once."""
+    clock = Clock()
+    s = scheduler(clock)
+    a, b = admit(s, stream=True)[0], admit(s, stream=True)[0]
+    run_frames(s, a, 39)  # 2 s of audio
+    run_frames(s, b, 35)  # 1.8 s
+    clock.now += 0.5
+    s.advance(np.array(slots(a, b)))  # a step now
+    check(s, [a, b])
+    slack = s.slack(np.array(slots(a, b)), clock.now)
+    assert (slack > 1.0).all() and (slack <= s.horizon_s).all()
+    assert list(s.decoding()) == slots(b, a)  # off: both at once, the nearer first
+    s.step_wait_s, s.step_spare_s = 0.02, 1.0
+    assert not s.decoding().size  # both have over a second to spare: the step waits for company
+    assert abs(s.next_turn_in() - 0.02) < 1e-9
+    clock.now += 0.02
+    assert list(s.decoding()) == slots(b, a)
+    s.advance(np.array(slots(a, b)))
+    check(s, [a, b])
+    new = admit(s, stream=True)[0]  # a new request's first frames never wait
+    assert list(s.decoding())[:1] == slots(new)
+    run_frames(s, new, 3)
+    s.step_wait_s = 1.0
+    clock.now += 0.7  # b is down to less than a second of slack: everyone steps at once
+    s.advance(np.array(slots(a, b, new)))
+    check(s, [a, b, new])
+    assert float(s.slack(np.array(slots(b)), clock.now)[0]) < 1.0
+    assert set(s.decoding()) >= set(slots(b))
+
+
 def test_a_stream_counts_only_the_audio_of_its_finished_codec_pieces():
     """Audio leaves the codec a piece at a time (4, 8, 16, ... frames): frames of an unfinished
     piece are not yet audible, and the steps its rest takes count against the slack."""

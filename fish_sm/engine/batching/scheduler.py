@@ -13,7 +13,9 @@ Listeners, not frames, set the order (`decoding`): a streamed request with more 
 next codec piece) yields its turn, the first frames of a new request go first, then streams by
 least slack, then whole (non-streamed) requests, which fill the spare rows and gain priority
 the longer they wait. While requests wait for a slot nobody yields: finishing early frees
-slots. A waiting queue of bounded length holds the rest; beyond it `add` refuses at once
+slots. With `step_wait_s` set, a step whose rows all have more than `step_spare_s` of slack
+waits for company (up to `step_wait_s` after the last step): under load, fewer and fuller
+steps, each costing the GPU little more than a thin one. A waiting queue of bounded length holds the rest; beyond it `add` refuses at once
 (`Overloaded`)."""
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Scheduler:
                  forced_lengths: bool = False, frame_rate: float = 21.5, horizon_s: float = 2.0,
                  pieces: tuple[int, int] = (4, 64), step_rows: int = 0, clock: Callable[[], float] = time.perf_counter,
                  adapters: AdapterGate | None = None, codebooks: int = 1, max_frames: int = 1,
-                 lanes_free: Callable[[], int] | None = None):
+                 lanes_free: Callable[[], int] | None = None, step_wait_s: float = 0.0, step_spare_s: float = 1.0):
         self.slots, self.max_queue = slots, max_queue
         self.lanes_free = lanes_free  # the codec's free lanes: a request takes one at admission
         self.im_end = im_end  # the code that ends a chunk
@@ -136,6 +138,9 @@ class Scheduler:
         # in frames (audio reaches the listener a whole piece at a time; frames before the first
         # piece go first); most rows a step (0: all).
         self.frame_rate, self.horizon_s, self.step_rows = frame_rate, horizon_s, step_rows
+        # Steps wait for company (`company_wait`) while every row has over `step_spare_s` of slack,
+        # up to `step_wait_s` after the last step (0: never).
+        self.step_wait_s, self.step_spare_s = step_wait_s, step_spare_s
         self.first_frames, self.largest_piece = pieces
         self._boundaries, self._ramp_end = _piece_boundaries(*pieces)
         self.clock = clock
@@ -404,22 +409,36 @@ class Scheduler:
     def decoding(self) -> np.ndarray:
         """The slots that decode a frame at this step, most urgent first: those that want one,
         less the streams whose listeners have more than `horizon_s` of audio ahead (unless
-        requests wait for a slot), at most `step_rows` of them."""
+        requests wait for a slot), at most `step_rows` of them; none while the step waits for
+        company (`company_wait`)."""
         slots = self.table.wanting()
         if not slots.size:
             return slots
-        slack = self.slack(slots, self.clock())
+        now = self.clock()
+        slack = self.slack(slots, now)
         crowded = bool(self._waiting) and not self._free  # finishing sooner frees a slot for them
         if self.horizon_s > 0 and not crowded:
             keep = slack <= self.horizon_s  # the others' listeners have enough to play: they yield
             slots, slack = slots[keep], slack[keep]
+            if self.company_wait(slack, now) > 0:
+                return slots[:0]
         slots = slots[np.lexsort((slots, slack))]
         return slots[: self.step_rows] if self.step_rows > 0 else slots
 
+    def company_wait(self, slack: np.ndarray, now: float) -> float:
+        """Seconds a step of rows with this slack waits for company: while every row has more
+        than `step_spare_s` (no first frames, no session's, no stream near its listener), until
+        `step_wait_s` after the last step or until the first row is down to `step_spare_s`."""
+        if self.step_wait_s <= 0 or self._last_step is None or not slack.size:
+            return 0.0
+        spare = float(np.min(slack)) - self.step_spare_s
+        return max(0.0, min(spare, self._last_step + self.step_wait_s - now))
+
     def next_turn_in(self) -> float:
         """Seconds until there is work: 0 when a ticket can take a slot, a chunk can start, a
-        request was cancelled or wants a frame now; else until the first stream that yields
-        wants one again (inf: nothing to do until something arrives)."""
+        request was cancelled or wants a frame now; else until a step waiting for company goes
+        or the first stream that yields wants a frame again (inf: nothing to do until something
+        arrives)."""
         if self._returning and self._free:
             return 0.0
         if self._waiting and self._room() and any(self._admissible(t) for t in self._waiting):
@@ -433,7 +452,12 @@ class Scheduler:
         slots = self.table.wanting()
         if not slots.size:
             return math.inf
-        return max(float(np.min(self.slack(slots, self.clock()))) - self.horizon_s, 0.0)
+        now = self.clock()
+        slack = self.slack(slots, now)
+        due = slack[slack <= self.horizon_s]
+        if due.size:  # (rows that want a frame: the step waits for company)
+            return self.company_wait(due, now)
+        return max(float(np.min(slack)) - self.horizon_s, 0.0)
 
     def slack(self, slots: np.ndarray, now: float) -> np.ndarray:
         """How long each slot's request can go without a frame, in seconds. A stream: until its
