@@ -132,18 +132,32 @@ def stream_times(trace: list[dict]) -> dict:
                 names[stream].add(e.get("name", ""))
     out = {}
     for stream, spans in by_stream.items():
-        spans.sort()
-        merged = []
-        for start, end, _ in spans:
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
+        merged = union((start, end) for start, end, _ in spans)
         out[stream] = {"kernels": sum(cat == "kernel" for _, _, cat in spans),
                        "summed_ms": sum(end - start for start, end, _ in spans) / 1e3,
                        "busy_ms": sum(end - start for start, end in merged) / 1e3, "intervals": merged,
                        "decode": any(DECODE_KERNEL in name for name in names[stream])}
     return out
+
+
+def union(intervals) -> list[list[float]]:
+    """(start, end) intervals as the sorted, disjoint intervals that cover them."""
+    merged: list[list[float]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return merged
+
+
+def chrome_trace(prof) -> list[dict]:
+    """A finished torch.profiler profile's events, through its Chrome trace."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
 
 
 def overlap_ms(a: list, b: list) -> float:
@@ -161,12 +175,7 @@ def overlap_ms(a: list, b: list) -> float:
 
 
 def gpu_summary(prof, steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)["traceEvents"]
-    streams = stream_times(trace)
+    streams = stream_times(chrome_trace(prof))
     # The decode stream: the one that ran the decode step's noise kernel (else the one with the most
     # kernels); the codec's: the busiest of the others.
     ranked = sorted(streams, key=lambda s: (not streams[s]["decode"], -streams[s]["kernels"]))
@@ -188,11 +197,7 @@ def ops_summary(prof, threads: dict[int, str], steps: int, top: int = 12) -> dic
     """Per thread of the engine (by native id): ms per step inside torch ops and inside CUDA
     runtime calls (each the union of its events' intervals), and the ops and calls that took
     most of it (inclusive times, and calls per step)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)["traceEvents"]
+    trace = chrome_trace(prof)
     spans = collections.defaultdict(list)
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for e in trace:
@@ -209,12 +214,7 @@ def ops_summary(prof, threads: dict[int, str], steps: int, top: int = 12) -> dic
     for thread in threads.values():
         record = out[thread] = {}
         for kind in ("op", "runtime"):
-            merged = []
-            for lo, hi in sorted(spans[(thread, kind)]):
-                if merged and lo <= merged[-1][1]:
-                    merged[-1][1] = max(merged[-1][1], hi)
-                else:
-                    merged.append([lo, hi])
+            merged = union(spans[(thread, kind)])
             record[f"{kind}_ms_per_step"] = round(sum(hi - lo for lo, hi in merged) / 1e3 / per, 3)
             named = sorted(((name, v) for (t, k, name), v in by_name.items() if t == thread and k == kind),
                            key=lambda kv: -kv[1][0])[:top]

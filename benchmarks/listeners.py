@@ -169,23 +169,12 @@ class GpuWindow:
 def gpu_window(prof, window_s: float) -> dict:
     """Over the first `window_s` seconds of the recorded GPU work: each stream's busy ms, the
     decode's and codec's overlap, and the union of every stream's work against the window."""
-    import tempfile
+    from benchmarks.batching_profile import chrome_trace, overlap_ms, stream_times, union
 
-    from benchmarks.batching_profile import overlap_ms, stream_times
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        trace = json.loads(Path(path).read_text())["traceEvents"]
-    spans = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    spans = [e for e in chrome_trace(prof) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     began = min((e["ts"] for e in spans), default=0.0)
     streams = stream_times([e for e in spans if e["ts"] < began + 1e6 * window_s])
-    merged: list = []
-    for lo, hi in sorted(iv for s in streams.values() for iv in s["intervals"]):
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
+    merged = union(iv for s in streams.values() for iv in s["intervals"])
     ranked = sorted(streams, key=lambda s: (not streams[s]["decode"], -streams[s]["busy_ms"]))
     out = {"window_ms": 1e3 * window_s, "gpu_busy_ms": sum(hi - lo for lo, hi in merged) / 1e3,
            "streams": {str(s): {k: round(v, 1) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}

@@ -372,7 +372,8 @@ class Pieces:
         self._copies.append(HostCopy(audio) if home else None)
 
     def tensors(self) -> list[Tensor]:
-        """Each piece's audio [1, samples], in order (views on the device)."""
+        """Each piece's audio [1, samples], in order (views on the device; of a push with `home`,
+        views on its graphs' outputs, valid until they replay again: read those with `home`)."""
         out: list[Optional[Tensor]] = [None] * self.count
         for rows, audio, lengths in self.parts:
             for i, (row, n) in enumerate(zip(rows, lengths)):

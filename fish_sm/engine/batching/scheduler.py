@@ -15,8 +15,8 @@ least slack, then whole (non-streamed) requests, which fill the spare rows and g
 the longer they wait. While requests wait for a slot nobody yields: finishing early frees
 slots. With `step_wait_s` set, a step whose rows all have more than `step_spare_s` of slack
 waits for company (up to `step_wait_s` after the last step): under load, fewer and fuller
-steps, each costing the GPU little more than a thin one. A waiting queue of bounded length holds the rest; beyond it `add` refuses at once
-(`Overloaded`)."""
+steps, each costing the GPU little more than a thin one. A waiting queue of bounded length
+holds the rest; beyond it `add` refuses at once (`Overloaded`)."""
 
 from __future__ import annotations
 
