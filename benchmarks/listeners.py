@@ -18,13 +18,19 @@ with those attributes set on this engine object. The codec worker's: `spare_s` (
 listener has less audio left goes beside a batch on the GPU rather than wait for company),
 `depth` (batches on the GPU at once), `max_frames` (frames a batch holds at most), `stream=decode`
 (the codec's work queued on the decode loop's CUDA stream, one after the other, instead of its own
-stream beside it; the engine's threads restarted to take it). The scheduler's: `step_wait_s` and
-`step_spare_s` (a step whose rows all have more slack than `step_spare_s` waits for company up to
-`step_wait_s` after the last), `horizon_s` (slack past which a stream yields its turn).
+stream beside it; the engine's threads restarted to take it). The scheduler's: `horizon_s` (slack
+past which a stream yields its turn). Both's: `piece_repeats` (pieces of each length on the codec's
+ramp, `PieceSchedule`).
 
 `--profile-s S` records S seconds of the GPU's work (torch.profiler, CUDA activity only) from the
 middle of each level: each CUDA stream's busy time, the decode's and the codec's together, and
-the GPU's busy fraction (the union of every stream's kernels and copies) over the window."""
+the GPU's busy fraction (the union of every stream's kernels and copies) over the window. The
+profiler's stop stalls the engine: such a level's listener figures are not comparable.
+
+Each level also reports its busy part (`busy`: from a third of its asking time to its end, not
+the drain after, whose lighter steps dilute the level's averages): the decode step's period and
+rows, host and wait time per step, prefills, and the gap between a stream's frames before its
+first piece, on its codec pieces' ramp and after it."""
 
 from __future__ import annotations
 
@@ -47,9 +53,11 @@ class Recorder:
     """What the engine's threads hand the codec thread, and what it runs: (time, lanes) per
     step's frames and (time, lane, ticket) per stream opened, in the engine thread's order;
     (time, pieces, frames) per codec batch, and each batch's seconds from launch to delivery with
-    the batches already on the GPU when it was launched; the garbage collector's pauses."""
+    the batches already on the GPU when it was launched; the garbage collector's pauses; the
+    engine thread's decode steps (time, rows) and prefills (time, chunks)."""
 
-    def __init__(self, worker):
+    def __init__(self, batcher):
+        worker = batcher._codec
         self.events: list = []
         self.batches: list = []
         self.latencies: list = []
@@ -89,6 +97,20 @@ class Recorder:
 
         worker.open, worker.frames, worker.codec.push = opened, framed, pushed
         worker._launch, worker._finish = launching, finishing
+        self.steps: list = []  # (time, rows) per decode step queued
+        self.starts: list = []  # (time, chunks) per iteration that prefilled chunks
+        decode, start_chunks = batcher.runner.decode, batcher._start_chunks
+
+        def decoding(slots):
+            self.steps.append((clock(), len(slots)))
+            return decode(slots)
+
+        def starting(requests):
+            if requests:
+                self.starts.append((clock(), len(requests)))
+            return start_chunks(requests)
+
+        batcher.runner.decode, batcher._start_chunks = decoding, starting
         self.pauses: list = []  # (generation, seconds) of each collection
         started: list = [0.0]
 
@@ -102,6 +124,7 @@ class Recorder:
 
     def clear(self) -> None:
         self.events, self.batches, self.latencies, self.pauses = [], [], [], []
+        self.steps, self.starts = [], []
         self.thread_s = {"launch": 0.0, "finish": 0.0}
 
     def frame_times(self) -> dict[int, list[float]]:
@@ -143,12 +166,14 @@ def first_audio_parts(records: dict, frame_times: dict, first_piece: int) -> dic
 
 
 class GpuWindow:
-    """The GPU's work recorded from `start_s` into a level to its end (CUDA activity only; on a
-    CPU, the CPU's, to check the script), summarised over its first `seconds`."""
+    """The GPU's work recorded for `seconds` from `start_s` into a level (CUDA activity only; on
+    a CPU, the CPU's, to check the script), summarised once the level is over. Stopping the
+    profiler holds the GIL for a while, stalling the engine's threads: a level with a window
+    measures the GPU, not its listeners."""
 
     def __init__(self, start_s: float, seconds: float):
         self.start_s, self.seconds = start_s, seconds
-        self.profile, self.summary = None, None
+        self.profile, self.summary, self.stopped = None, None, False
 
     def poll(self, elapsed_s: float) -> None:
         import torch
@@ -157,12 +182,16 @@ class GpuWindow:
             activity = torch.profiler.ProfilerActivity
             self.profile = torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU])
             self.profile.__enter__()
+        elif self.profile is not None and not self.stopped and elapsed_s >= self.start_s + self.seconds:
+            self.profile.__exit__(None, None, None)  # (recorded to the level's end, a loaded GPU's trace is too large to read)
+            self.stopped = True
 
     def finish(self) -> None:
-        """Stop and summarise, once the level is over (both hold the GIL for seconds: during a
-        level they would stall the engine's threads)."""
+        """Stop (if the level ended first) and summarise."""
         if self.profile is not None and self.summary is None:
-            self.profile.__exit__(None, None, None)
+            if not self.stopped:
+                self.profile.__exit__(None, None, None)
+                self.stopped = True
             self.summary = gpu_window(self.profile, self.seconds)
 
 
@@ -246,9 +275,13 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
 
     samples, outstanding = [], 0
     window = GpuWindow(duration_s / 2, profile_s)
+    busy = {}  # the engine's counters as the busy part of the level begins and ends
     while due or outstanding:
         now = time.perf_counter() - t0
         window.poll(now)
+        for edge, at in (("began", BUSY_FROM * duration_s), ("ended", duration_s)):
+            if edge not in busy and now >= at:
+                busy[edge] = (time.perf_counter(), batcher.stats.snapshot())
         while due and due[0][0] <= now:
             submit(heapq.heappop(due)[2])
             outstanding += 1
@@ -295,15 +328,50 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
         "codec_batch_ms": percentiles_ms([t for t, _ in recorder.latencies]),
         "codec_batch_ms_alone": percentiles_ms([t for t, ahead in recorder.latencies if not ahead]),
         "codec_batch_ms_behind_another": percentiles_ms([t for t, ahead in recorder.latencies if ahead]),
-        "first_audio_parts_ms": first_audio_parts(records, frame_times, batcher._codec.first),
+        "first_audio_parts_ms": first_audio_parts(records, frame_times, batcher.scheduler.pieces.first),
         "gc_pauses": {"count": len(recorder.pauses), "total_s": sum(t for _, t in recorder.pauses),
                       "max_ms": 1e3 * max((t for _, t in recorder.pauses), default=0.0),
                       "full": sum(1 for g, _ in recorder.pauses if g == 2)},
         "codec_thread_fraction": {k: v / wall for k, v in recorder.thread_s.items()},
     }
+    if len(busy) == 2:
+        streamed = {key: frame_times.get(key, []) for key, record in records.items() if record["planned"].body.get("stream")}
+        level["busy"] = busy_summary(recorder, streamed, busy["began"], busy["ended"], batcher.scheduler.pieces.first,
+                                     batcher.scheduler.pieces.ramp_end)
     if window.summary is not None:
         level["gpu_window"] = window.summary
+        start = t0 + duration_s / 2
+        level["gpu_window"]["decode_steps"] = sum(1 for t, _ in recorder.steps if start <= t < start + profile_s)
     return level
+
+
+BUSY_FROM = 1 / 3  # the busy part of a level: from this share of its asking time to its end
+
+
+def busy_summary(recorder: Recorder, frame_times: dict, began: tuple, ended: tuple, first: int, ramp: int) -> dict:
+    """The engine while every listener is asking (not the level's drain, whose lighter steps
+    dilute its averages): the decode step's period and rows, host and GPU-wait time per step by
+    phase, how often a step also prefilled, and the gap between a stream's frames on its
+    codec pieces' ramp (its first `ramp` frames, after the `first`) and after it (streams only)."""
+    (t_from, before), (t_to, after) = began, ended
+    steps = np.array([(t, n) for t, n in recorder.steps if t_from <= t < t_to] or [(t_from, 0)], float)
+    starts = [n for t, n in recorder.starts if t_from <= t < t_to]
+    count = max(1, after["steps"] - before["steps"])
+    per_step = {k: 1e3 * (after[k] - before[k]) / count for k in ("wall_s", "host_s", "host_cpu_s", "wait_s")}
+    phases = {k: round(1e3 * (after["phases_s"][k] - before["phases_s"][k]) / count, 3) for k in after["phases_s"]}
+    gaps: dict[str, list] = {"first_piece": [], "ramp": [], "steady": []}
+    for arrived in frame_times.values():
+        for i in range(1, len(arrived)):
+            if t_from <= arrived[i - 1] and arrived[i] < t_to:
+                part = "first_piece" if i < first else "ramp" if i < ramp else "steady"
+                gaps[part].append(arrived[i] - arrived[i - 1])
+    return {"seconds": t_to - t_from, "decode_steps": len(steps),
+            "step_period_ms": percentiles_ms(np.diff(steps[:, 0]).tolist()),
+            "rows_per_step": {"mean": float(steps[:, 1].mean()), "p90": float(np.percentile(steps[:, 1], 90))},
+            "frames_per_s": float(steps[:, 1].sum() / (t_to - t_from)),
+            "prefills_per_s": len(starts) / (t_to - t_from), "chunks_per_prefill": float(np.mean(starts)) if starts else 0.0,
+            "per_step_ms": {k.replace("_s", "_ms"): round(v, 3) for k, v in per_step.items()}, "phase_ms_per_step": phases,
+            "frame_gap_ms": {k: percentiles_ms(v) for k, v in gaps.items()}}
 
 
 def main() -> None:
@@ -324,6 +392,7 @@ def main() -> None:
     os.environ.setdefault("FISH_SM_MAX_SEQ_LEN", str(args.max_seq_len))
     import torch
 
+    from fish_sm.engine.pieces import PieceSchedule
     from fish_sm.serving.core import devices, start_engine
     from fish_sm.settings import Settings
 
@@ -332,15 +401,16 @@ def main() -> None:
     _, batcher = start_engine(Path(args.checkpoint), device, Settings.from_env())
     print(f"engine ready in {time.perf_counter() - began:.1f} s with {batcher.slots} slots on "
           f"{torch.cuda.get_device_name() if device.startswith('cuda') else device}", flush=True)
-    recorder = Recorder(batcher._codec)
+    recorder = Recorder(batcher)
     levels = []
     try:
         worker, scheduler = batcher._codec, batcher.scheduler
         owners = {name: worker for name in ("spare_s", "depth", "max_frames")}
-        owners.update({name: scheduler for name in ("step_wait_s", "step_spare_s", "horizon_s")})
+        owners["horizon_s"] = scheduler
         shipped = {name: getattr(owner, name) for name, owner in owners.items()}
         streams = {"own": worker._cuda, "decode": batcher.decode_stream}
         shipped["stream"] = "own"
+        shipped["piece_repeats"] = scheduler.pieces.repeats
         for variant in [""] + args.variant:
             settings = dict(shipped)
             for item in filter(None, variant.split(",")):
@@ -350,6 +420,8 @@ def main() -> None:
                 settings[name] = value if name == "stream" else type(shipped[name])(float(value))
             for name, owner in owners.items():
                 setattr(owner, name, settings[name])
+            pieces = scheduler.pieces  # (between levels: every stream has ended)
+            scheduler.pieces = worker.codec.schedule = PieceSchedule(pieces.first, pieces.largest, settings["piece_repeats"])
             if streams[settings["stream"]] is not worker._cuda:  # the threads take their streams as they start
                 batcher.stop()
                 worker._cuda = streams[settings["stream"]]
@@ -359,7 +431,8 @@ def main() -> None:
                 level["variant"] = settings
                 levels.append(level)
                 keep = {k: level[k] for k in ("variant", "listeners", "requests", "ok", "first_audio_ms", "underrun",
-                                              "audio_seconds_per_wall_second", "passed", "where", "gpu_window") if k in level}
+                                              "audio_seconds_per_wall_second", "passed", "where", "busy", "gpu_window")
+                        if k in level}
                 print(json.dumps(keep), flush=True)
     finally:
         batcher.stop()

@@ -48,6 +48,10 @@ class Settings:
     # its turn to others (0: every stream decodes at every step)
     stream_horizon_s: float = 2.0
     step_rows: int = 0  # batching server: most requests one decode step takes (0: every one that wants a frame)
+    # batching server: codec pieces of each length on a stream's ramp (4, 4, 4, 8, ... frames)
+    # before the next, twice as long: 1 needs a stream to decode at twice real time on its ramp,
+    # more than a loaded GPU's steps give
+    piece_repeats: int = 3
     max_queue: int = 64  # batching server: requests that may wait for a slot; more get 503 + Retry-After
     prefix_cache: int = 8  # reference-voice prompt prefills kept on the GPU
     # the streamed codec on a GPU: auto (both halves in float16; 47 dB SNR against float32 on
@@ -109,6 +113,8 @@ class Settings:
         for name in ("max_batch", "step_rows", "stream_horizon_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{PREFIX}{name.upper()} must not be negative")
+        if not 1 <= self.piece_repeats <= 4:
+            raise ConfigError(f"{PREFIX}PIECE_REPEATS must be 1 to 4")
         if self.max_reference_seconds <= 0 or self.warmup < 0 or self.max_seq_len < 0:
             raise ConfigError(f"{PREFIX}MAX_REFERENCE_SECONDS must be positive, WARMUP and MAX_SEQ_LEN not negative")
         if self.max_queue < 0 or self.prefix_cache < 0:

@@ -17,7 +17,7 @@ H100_STREAMS_PER_GPU = 256
 # The same for one H200, measured as a closed loop of listeners (each asks again once its answer
 # has played); one engine core per GPU. Two GPUs behind one front end are not measured yet: an
 # instance's figure is this times its GPUs.
-H200_STREAMS_PER_GPU = 512
+H200_STREAMS_PER_GPU = 640
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ MEASURED: dict[str, Measured] = {
     "H200": Measured(
         streams_per_gpu=H200_STREAMS_PER_GPU, device="nvidia-h200 (one H200)", date="2026-11-29",
         command="FISH_SM_CAPTURE=all FISH_SM_BENCHMARK_LENGTHS=true FISH_SM_MAX_SEQ_LEN=2048 fish-sm serve "
-                "s1-mini; fish-sm capacity --url http://127.0.0.1:8080 --listeners 512,576,640 --duration 30 "
+                "s1-mini; fish-sm capacity --url http://127.0.0.1:8080 --listeners 640 --duration 30 "
                 "--keep-going",
         source='docs/benchmarks.md "Issue 43"'),
 }

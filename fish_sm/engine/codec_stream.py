@@ -1,9 +1,9 @@
 """Streaming codec decode in pieces on a fixed schedule, many streams' pieces at once, each
 stream's decoder state a row (its lane) of tensors kept on the device for good.
 
-A streamed request's audio is decoded in pieces of `first` frames, then doubling up to
-`largest` (4, 8, 16, 32, 64, 64, ...): each piece plays for longer than the next one takes
-to make, and the codec runs a few large pieces rather than many small ones.
+A streamed request's audio is decoded in pieces on a `PieceSchedule` (4, 8, 16, 32, 64, 64, ...
+frames): each piece plays for longer than the next one takes to make, and the codec runs a few
+large pieces rather than many small ones.
 
 A piece goes through the codec in two halves, each a function of (lanes, positions, inputs)
 that gathers its lanes' state, runs, and returns the new state:
@@ -43,25 +43,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fish_sm.engine.generate import HostCopy, batch_sizes, to_device
+from fish_sm.engine.pieces import PieceSchedule
 from fish_sm.errors import FishSMError
 from fish_sm.model.codec import Codec
 from fish_sm.model.codec.layers import CausalConv1d, CausalConvTranspose1d, KVCache, State
 
 POSITIONS = 1 << 15  # code frames a stream may last (~25 minutes): the front's RoPE table, sized once
-
-
-def piece_frames(index: int, first: int, largest: int) -> int:
-    """Frames in piece `index` of a stream."""
-    return min(first << min(index, 30), largest)
-
-
-def piece_start(index: int, first: int, largest: int) -> int:
-    """Frames of a stream before its piece `index`."""
-    start, i = 0, 0
-    while i < index and (first << i) < largest:
-        start += first << i
-        i += 1
-    return start + (index - i) * largest
 
 
 class Captures:
@@ -404,8 +391,9 @@ class StreamingCodec:
 
     def __init__(self, codec: Codec, first: int = 4, largest: int = 64, max_batch_frames: int = 512,
                  back_dtype: torch.dtype | None = None, front_dtype: torch.dtype | None = None,
-                 front_tf32: bool = True, lanes: int = 0):
-        self.codec, self.first, self.largest = codec, first, largest
+                 front_tf32: bool = True, lanes: int = 0, repeats: int = 1):
+        self.codec = codec
+        self.schedule = PieceSchedule(first, largest, repeats)
         self.max_batch_frames = max_batch_frames
         self.use_graphs = codec.device.type == "cuda"
         self.front_tf32 = front_tf32  # (on CUDA: the CPU captures no graphs)
@@ -422,10 +410,6 @@ class StreamingCodec:
         self.back = ConvBack(codec, compiled=self.use_graphs, channels_last=self.use_graphs, dtype=back_dtype)
         codec.front_rope(POSITIONS)  # sized once, before any graph reads it (and before a copy is made)
         self.front = FrontState(front_in(codec, front_dtype), codec.n_rows)
-        # Scheduled lengths, and the frames before each piece while they double (`starts`).
-        self.scheduled = np.array(self.lengths(), np.int64)
-        self._doubling = int(np.sum(self.scheduled < largest))
-        self._starts = np.array([piece_start(i, first, largest) for i in range(self._doubling + 1)], np.int64)
         self.fronts: dict[tuple[int, int], Replay] = {}  # (frames, rows) -> graph
         self.backs: dict[tuple[int, int], Replay] = {}
         self.pending_captures: list[tuple[int, int]] = []  # (frames, rows) left by `capture` for `capture_next`
@@ -440,18 +424,27 @@ class StreamingCodec:
         """Pieces of `frames` frames that go through either half in one batch."""
         return max(1, self.max_batch_frames // frames)
 
+    @property
+    def first(self) -> int:
+        return self.schedule.first
+
+    @property
+    def largest(self) -> int:
+        return self.schedule.largest
+
     def next_frames(self, pieces: int) -> int:
         """Frames in a stream's next piece, after `pieces` of them."""
-        return piece_frames(pieces, self.first, self.largest)
+        return self.schedule.frames(pieces)
 
     def back_frames(self, frames):
         """The shortest scheduled piece length that holds `frames` frames (a last piece's back);
         for an array of counts, an array."""
-        return self.scheduled[np.minimum(np.searchsorted(self.scheduled, frames), len(self.scheduled) - 1)]
+        scheduled = self.schedule.scheduled
+        return scheduled[np.minimum(np.searchsorted(scheduled, frames), len(scheduled) - 1)]
 
     def lengths(self) -> list[int]:
         """Every scheduled piece length."""
-        return sorted({piece_frames(i, self.first, self.largest) for i in range(32)})
+        return self.schedule.lengths()
 
     # -- lanes ---------------------------------------------------------------------------
 
@@ -482,9 +475,7 @@ class StreamingCodec:
         lanes, pieces, frames = (np.asarray(a, np.int64) for a in (lanes, pieces, frames))
         if lanes.size and (lanes.min() < 0 or lanes.max() >= self.lanes):
             raise ValueError(f"lanes must be in [0, {self.lanes}), got {lanes.tolist()}")
-        scheduled = np.minimum(self.first << np.minimum(pieces, 30), self.largest)
-        d = self._doubling
-        starts = np.where(pieces <= d, self._starts[np.minimum(pieces, d)], self._starts[d] + (pieces - d) * self.largest)
+        scheduled, starts = self.schedule.frames(pieces), self.schedule.start(pieces)
         if (frames > scheduled).any():
             raise ValueError(f"a piece holds at most its scheduled frames: {frames.tolist()} for {scheduled.tolist()}")
         if (starts + scheduled > POSITIONS).any():

@@ -65,7 +65,8 @@ def start_engine(model_dir: Path, device: str, settings: Settings):
 
     model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device)
     batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
-                          horizon_s=settings.stream_horizon_s, step_rows=settings.step_rows, **engine_options(settings))
+                          horizon_s=settings.stream_horizon_s, step_rows=settings.step_rows,
+                          piece_repeats=settings.piece_repeats, **engine_options(settings))
     if model.compiled:
         phase("compile", lambda: batcher.compile(capture_all=settings.capture == "all"))
     batcher.start()

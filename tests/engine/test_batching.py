@@ -111,16 +111,19 @@ def test_admissions_padded_as_captured_ones_give_the_same_codes(tiny_checkpoint,
         assert torch.equal(b.codes, a.codes), job
 
 
-def test_streamed_pieces_concatenate_to_the_whole(tiny_checkpoint, voices):
+@pytest.mark.parametrize("repeats, ramp", [(1, [2, 4, 8, 8]), (3, [2, 2, 2, 4, 4, 4, 8, 8])])
+def test_streamed_pieces_concatenate_to_the_whole(tiny_checkpoint, voices, repeats, ramp):
+    """Pieces on the schedule (each length `repeats` times before it doubles) join into the
+    whole request's audio."""
     batcher = BatchEngine(stopping(Engine.from_pretrained(tiny_checkpoint, device="cpu")), max_batch=4,
-                          first_piece=2, largest_piece=8)
+                          first_piece=2, largest_piece=8, piece_repeats=repeats)
     job = Job(TEXTS[1], references=(voices[0],), chunk_length=60, params=SamplingParams(seed=3, max_new_tokens=60))
     with batcher:
         whole = batcher.submit(job).result()
         ticket = batcher.submit(Job(**{**job.__dict__, "stream": True}))
         pieces = [p for kind, p in ticket.events() if kind == "audio"]
     frames = [len(p) // batcher.engine.frame_length for p in pieces]
-    assert frames[:4] == [2, 4, 8, 8] and sum(frames) == whole.frames
+    assert frames[: len(ramp)] == ramp and sum(frames) == whole.frames
     # Float32 convolutions on the CPU sum in an order that depends on the threads they get: a
     # few 1e-6 apart on a loaded machine, where a misplaced frame would be 1e-1.
     np.testing.assert_allclose(np.concatenate(pieces), whole.audio, atol=1e-5)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fish_sm.engine.codec_stream import (ConvBack, PartlyRun, StreamingCodec, decode_in_pieces, piece_frames,
-                                        piece_start)
+from fish_sm.engine.codec_stream import ConvBack, PartlyRun, StreamingCodec, decode_in_pieces
+from fish_sm.engine.pieces import PieceSchedule
 from fish_sm.errors import FishSMError
 from fish_sm.model.codec import CodecConfig, codec_from_state_dict
 from fish_sm.model.random_weights import build_codec_state_dict
@@ -41,9 +41,32 @@ def _streamed_in_rounds(pieces: StreamingCodec, codes: list[torch.Tensor], start
 
 
 def test_schedule_doubles_up_to_the_largest_piece():
-    assert [piece_frames(i, 4, 64) for i in range(7)] == [4, 8, 16, 32, 64, 64, 64]
-    assert [piece_start(i, 4, 64) for i in range(7)] == [0, 4, 12, 28, 60, 124, 188]
-    assert [piece_start(i, 3, 8) for i in range(5)] == [0, 3, 9, 17, 25]  # a largest off the doubling
+    pieces = PieceSchedule(4, 64)
+    assert [pieces.frames(i) for i in range(7)] == [4, 8, 16, 32, 64, 64, 64]
+    assert [pieces.start(i) for i in range(7)] == [0, 4, 12, 28, 60, 124, 188]
+    assert [PieceSchedule(3, 8).start(i) for i in range(5)] == [0, 3, 9, 17, 25]  # a largest off the doubling
+    assert [PieceSchedule(8, 8).frames(i) for i in range(3)] == [8, 8, 8]
+
+
+def test_a_schedule_with_repeats_holds_each_length_for_that_many_pieces():
+    pieces = PieceSchedule(4, 64, repeats=2)
+    assert pieces.frames(np.arange(10)).tolist() == [4, 4, 8, 8, 16, 16, 32, 32, 64, 64]
+    assert pieces.start(np.arange(10)).tolist() == [0, 4, 8, 16, 24, 40, 56, 88, 120, 184]
+    assert pieces.lengths() == [4, 8, 16, 32, 64] and pieces.ramp_end == 120
+
+
+@pytest.mark.parametrize("first, largest, repeats", [(4, 64, 1), (4, 64, 2), (3, 8, 3), (8, 8, 1), (4, 1, 1)])
+def test_the_pieces_around_a_count_of_frames_are_the_schedule_s(first, largest, repeats):
+    """What the scheduler reads (`around`: the frames of the finished pieces, the end of the next)
+    agrees with where the codec's pieces start."""
+    pieces = PieceSchedule(first, largest, repeats)
+    starts = [pieces.start(i) for i in range(40)]
+    assert all(b - a == pieces.frames(i) for i, (a, b) in enumerate(zip(starts, starts[1:])))
+    frames = np.arange(starts[-1])
+    done, end = pieces.around(frames)
+    for n, d, e in zip(frames.tolist(), done.tolist(), end.tolist()):
+        i = max(j for j, s in enumerate(starts) if s <= n)
+        assert (d, e) == (starts[i], starts[i + 1]), n
 
 
 def test_a_last_piece_runs_the_back_over_the_shortest_scheduled_length_that_holds_it(engine):
@@ -52,12 +75,12 @@ def test_a_last_piece_runs_the_back_over_the_shortest_scheduled_length_that_hold
     assert StreamingCodec(engine.codec, first=4, largest=48).back_frames(40) == 48  # a largest off the doubling
 
 
-@pytest.mark.parametrize("first, largest", [(2, 8), (8, 8), (3, 8)])  # (8, 8): full length from the first piece
-def test_pieces_decode_like_the_whole_sequence(engine, first, largest):
+@pytest.mark.parametrize("first, largest, repeats", [(2, 8, 1), (8, 8, 1), (3, 8, 1), (2, 8, 2)])  # (8, 8): full length from the first piece
+def test_pieces_decode_like_the_whole_sequence(engine, first, largest, repeats):
     codes = torch.randint(0, 1024, (1, engine.codec.n_rows, 45), generator=torch.Generator().manual_seed(0))
+    pieces = StreamingCodec(engine.codec, first=first, largest=largest, lanes=2, repeats=repeats)
     with torch.inference_mode():
-        torch.testing.assert_close(decode_in_pieces(StreamingCodec(engine.codec, first=first, largest=largest, lanes=2), codes),
-                                   engine.codec.decode(codes), atol=1e-4, rtol=0)
+        torch.testing.assert_close(decode_in_pieces(pieces, codes), engine.codec.decode(codes), atol=1e-4, rtol=0)
 
 
 def test_the_back_over_channels_last_2d_tensors_decodes_like_the_whole_sequence(engine):

@@ -10,6 +10,7 @@ import numpy as np
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.batching.request import Job, Session, Ticket
 from fish_sm.engine.batching.scheduler import Scheduler, StepRows
+from fish_sm.engine.pieces import PieceSchedule
 from fish_sm.engine.sampling import round_bf16
 
 IM_END = 99
@@ -29,7 +30,7 @@ class Clock:
 def scheduler(clock, slots=4, step_rows=0, horizon_s=2.0, pieces=(4, 1), forced=False, max_queue=8):
     # Codec pieces of one frame after a first of 4: audio reaches the listener frame by frame.
     return Scheduler(slots, max_queue=max_queue, im_end=IM_END, generator=lambda seed: None, frame_rate=RATE,
-                     horizon_s=horizon_s, pieces=pieces, step_rows=step_rows, clock=clock, forced_lengths=forced,
+                     horizon_s=horizon_s, pieces=PieceSchedule(*pieces), step_rows=step_rows, clock=clock, forced_lengths=forced,
                      codebooks=CODEBOOKS, max_frames=1024)
 
 
@@ -79,39 +80,6 @@ def test_a_stream_with_its_horizon_buffered_yields_until_its_listener_catches_up
     assert abs(s.next_turn_in() - 1.0) < 0.05  # behind's listener is at 2 s of buffer in 1 s (less a step)
     clock.now += 2.5  # ahead: 1.5 s ahead, behind: 0.5 s: both want frames, the closer first
     assert list(s.decoding()) == slots(behind, ahead)
-
-
-def test_a_step_whose_rows_all_have_slack_to_spare_waits_for_company():
-    """With `step_wait_s` set, a step waits up to that long after the last one while every row
-    has more than `step_spare_s` of slack; a row nearer its listener, or a new request's first
-    frames, goes at once. Off (0), the default, every wanting row steps at once."""
-    clock = Clock()
-    s = scheduler(clock)
-    a, b = admit(s, stream=True)[0], admit(s, stream=True)[0]
-    run_frames(s, a, 39)  # 2 s of audio
-    run_frames(s, b, 35)  # 1.8 s
-    clock.now += 0.5
-    s.advance(np.array(slots(a, b)))  # a step now
-    check(s, [a, b])
-    slack = s.slack(np.array(slots(a, b)), clock.now)
-    assert (slack > 1.0).all() and (slack <= s.horizon_s).all()
-    assert list(s.decoding()) == slots(b, a)  # off: both at once, the nearer first
-    s.step_wait_s, s.step_spare_s = 0.02, 1.0
-    assert not s.decoding().size  # both have over a second to spare: the step waits for company
-    assert abs(s.next_turn_in() - 0.02) < 1e-9
-    clock.now += 0.02
-    assert list(s.decoding()) == slots(b, a)
-    s.advance(np.array(slots(a, b)))
-    check(s, [a, b])
-    new = admit(s, stream=True)[0]  # a new request's first frames never wait
-    assert list(s.decoding())[:1] == slots(new)
-    run_frames(s, new, 3)
-    s.step_wait_s = 1.0
-    clock.now += 0.7  # b is down to less than a second of slack: everyone steps at once
-    s.advance(np.array(slots(a, b, new)))
-    check(s, [a, b, new])
-    assert float(s.slack(np.array(slots(b)), clock.now)[0]) < 1.0
-    assert set(s.decoding()) >= set(slots(b))
 
 
 def test_a_stream_counts_only_the_audio_of_its_finished_codec_pieces():
@@ -259,12 +227,12 @@ class Reference:
         s, t = self.s, self.s.table
         if not t.stream[slot]:
             return s.horizon_s - (now - t.last_turn[slot])
-        if t.session[slot] or math.isnan(t.playing[slot]) or t.frames[slot] < s.first_frames:
+        if t.session[slot] or math.isnan(t.playing[slot]) or t.frames[slot] < s.pieces.first:
             return -math.inf
-        done, piece = 0, s.first_frames
+        done, piece = 0, s.pieces.first
         while done + piece <= t.frames[slot]:
             done += piece
-            piece = min(2 * piece, s.largest_piece)
+            piece = min(2 * piece, s.pieces.largest)
         return t.playing[slot] + done / s.frame_rate - now - (done + piece - t.frames[slot]) * s.step_s
 
     def decoding(self) -> list[int]:

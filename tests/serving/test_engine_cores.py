@@ -142,6 +142,8 @@ def test_a_core_on_its_own_speaks_the_protocol_and_drops_a_request_cancelled_whi
 
         hello, ready = [e for e, _ in receive(lambda e: isinstance(e, ipc.Ready)) if not isinstance(e, ipc.Load)]
         assert (hello.device, hello.devices, ready.voices, ready.sample_rate) == ("cpu", ["cpu"], ["narrator"], 44100)
+        pieces = core.batcher.scheduler.pieces  # the settings' schedule, one for the scheduler and the codec
+        assert pieces is core.batcher._codec.codec.schedule and pieces.repeats == settings.piece_repeats == 3
 
         def job(**fields):
             return ipc.JobSpec(**{"text": "Hello there.", "chunk_length": 200, "temperature": 0.8, "top_p": 0.8,

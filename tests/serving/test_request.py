@@ -112,12 +112,14 @@ def test_settings_from_env_are_validated():
     assert s.allowed_buckets == ("a", "b") and s.warmup == 0 and s.quantize == "int8" and s.codec_precision == "float32"
     assert Settings.from_env({}).codec_precision == "auto"
     assert Settings.from_env({}).capture == "early" and Settings.from_env({"FISH_SM_CAPTURE": "all"}).capture == "all"
+    assert Settings.from_env({}).piece_repeats == 3 and Settings.from_env({"FISH_SM_PIECE_REPEATS": "1"}).piece_repeats == 1
     for env, message in [({"FISH_SM_WARMUP": "two"}, "FISH_SM_WARMUP='two' is not a valid int"),
                          ({"FISH_SM_QUANTISE": "int8"}, "unknown setting FISH_SM_QUANTISE"),
                          ({"FISH_SM_COMPILE": "maybe"}, "FISH_SM_COMPILE='maybe'"),
                          ({"FISH_SM_CODEC_PRECISION": "float16"}, "FISH_SM_CODEC_PRECISION='float16': choose one of auto, float32"),
                          ({"FISH_SM_CAPTURE": "late"}, "FISH_SM_CAPTURE='late': choose one of early, all"),
                          ({"FISH_SM_MAX_TEXT_CHARS": "0"}, "FISH_SM_MAX_TEXT_CHARS must be at least 1"),
+                         ({"FISH_SM_PIECE_REPEATS": "0"}, "FISH_SM_PIECE_REPEATS must be 1 to 4"),
                          ({"FISH_SM_SESSION_IDLE_S": "0"}, "FISH_SM_SESSION_IDLE_S must be in (0, 3600] seconds"),
                          ({"FISH_SM_SESSION_MAX_S": "100000"}, "FISH_SM_SESSION_MAX_S in (0, 86400]")]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

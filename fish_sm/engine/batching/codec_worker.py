@@ -135,7 +135,7 @@ class CodecWorker:
     once; while one is, pieces with audio to spare wait for company (`_launch`)."""
 
     def __init__(self, engine: Engine, first_piece: int, largest_piece: int, precision: str = "auto", lanes: int = 0,
-                 depth: int = 2):
+                 depth: int = 2, piece_repeats: int = 1):
         self.engine = engine
         # Batches queued on the GPU at once: with two, the thread delivers one batch's audio and
         # chooses the next while the GPU runs the one after (one: it waits for each in turn).
@@ -149,8 +149,7 @@ class CodecWorker:
             raise ValueError(f"codec precision {precision!r}: choose auto or float32")
         dtype = engine.codec.dtype
         exact = {"back_dtype": dtype, "front_dtype": dtype, "front_tf32": False} if precision == "float32" else {}
-        self.codec = StreamingCodec(engine.codec, first_piece, largest_piece, **exact)
-        self.first, self.largest = first_piece, largest_piece
+        self.codec = StreamingCodec(engine.codec, first_piece, largest_piece, repeats=piece_repeats, **exact)
         self.lanes = Lanes()  # sized by `allocate`
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._audio: list[_Audio | None] = []  # by lane
@@ -370,7 +369,7 @@ class CodecWorker:
         lanes = np.flatnonzero(s.active & (s.flying == 0))  # (a lane's next piece needs its last one's state)
         if not lanes.size:
             return lanes, lanes
-        need = np.minimum(self.first << np.minimum(s.pieces[lanes], 30), self.largest)
+        need = self.codec.schedule.frames(s.pieces[lanes])
         sentence = s.sentence_left[lanes]
         need = np.where(sentence >= 0, np.minimum(need, sentence), need)
         pending = s.received[lanes] - s.consumed[lanes]

@@ -56,11 +56,11 @@ class BatchEngine:
     def __init__(self, engine: Engine, max_batch: int = 64, max_queue: int | None = None,
                  prefix_cache: int = 8, memory_fraction: float = 0.9, first_piece: int = 4, largest_piece: int = 64,
                  codec_precision: str = "auto", forced_lengths: bool = False, horizon_s: float = 2.0,
-                 step_rows: int = 0):
+                 step_rows: int = 0, piece_repeats: int = 1):
         engine.attach(self)  # before the KV cache is re-made: a batching engine before this one stops
         self.engine, self.model = engine, engine.model
         self.device = engine.device
-        self._codec = CodecWorker(engine, first_piece, largest_piece, codec_precision)
+        self._codec = CodecWorker(engine, first_piece, largest_piece, codec_precision, piece_repeats=piece_repeats)
         # The codec's working memory is measured before the slots are sized around it, and
         # its per-stream state is counted with each slot's (`codec_lanes`).
         self.runner = ModelRunner(engine, max_batch, memory_fraction, prefix_cache, self._codec.codec.working_bytes,
@@ -72,7 +72,7 @@ class BatchEngine:
         self.scheduler = Scheduler(slots, slots if max_queue is None else max_queue, self.model.im_end_id,
                                    self.runner.new_generator, forced_lengths,
                                    frame_rate=codec.sample_rate / codec.frame_length, horizon_s=horizon_s,
-                                   pieces=(first_piece, largest_piece), step_rows=step_rows, adapters=engine.adapters,
+                                   pieces=self._codec.codec.schedule, step_rows=step_rows, adapters=engine.adapters,
                                    codebooks=engine.config.num_codebooks, max_frames=self.runner.max_seq_len,
                                    lanes_free=self._codec.lanes.free)
         self._codec.lanes.on_release = self._wake

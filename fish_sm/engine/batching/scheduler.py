@@ -13,10 +13,8 @@ Listeners, not frames, set the order (`decoding`): a streamed request with more 
 next codec piece) yields its turn, the first frames of a new request go first, then streams by
 least slack, then whole (non-streamed) requests, which fill the spare rows and gain priority
 the longer they wait. While requests wait for a slot nobody yields: finishing early frees
-slots. With `step_wait_s` set, a step whose rows all have more than `step_spare_s` of slack
-waits for company (up to `step_wait_s` after the last step): under load, fewer and fuller
-steps, each costing the GPU little more than a thin one. A waiting queue of bounded length
-holds the rest; beyond it `add` refuses at once (`Overloaded`)."""
+slots. A waiting queue of bounded length holds the rest; beyond it `add` refuses at once
+(`Overloaded`)."""
 
 from __future__ import annotations
 
@@ -32,6 +30,7 @@ import numpy as np
 from fish_sm.contract import SamplingParams
 from fish_sm.engine.batching.request import Overloaded, Session, Ticket
 from fish_sm.engine.batching.slots import SlotTable
+from fish_sm.engine.pieces import PieceSchedule
 from fish_sm.engine.text import split_text
 from fish_sm.errors import AdapterError
 
@@ -127,22 +126,18 @@ class Scheduler:
 
     def __init__(self, slots: int, max_queue: int, im_end: int, generator: Callable[[int | None], object],
                  forced_lengths: bool = False, frame_rate: float = 21.5, horizon_s: float = 2.0,
-                 pieces: tuple[int, int] = (4, 64), step_rows: int = 0, clock: Callable[[], float] = time.perf_counter,
+                 pieces: PieceSchedule = PieceSchedule(), step_rows: int = 0, clock: Callable[[], float] = time.perf_counter,
                  adapters: AdapterGate | None = None, codebooks: int = 1, max_frames: int = 1,
-                 lanes_free: Callable[[], int] | None = None, step_wait_s: float = 0.0, step_spare_s: float = 1.0):
+                 lanes_free: Callable[[], int] | None = None):
         self.slots, self.max_queue = slots, max_queue
         self.lanes_free = lanes_free  # the codec's free lanes: a request takes one at admission
         self.im_end = im_end  # the code that ends a chunk
         # Listener-aware turns (`decoding`): frames a second of audio; seconds of slack a stream may
-        # have before it yields (0: nobody yields); the codec's first and largest piece of a stream
-        # in frames (audio reaches the listener a whole piece at a time; frames before the first
-        # piece go first); most rows a step (0: all).
+        # have before it yields (0: nobody yields); the codec's pieces of a stream (audio reaches
+        # the listener a whole piece at a time; frames before the first piece go first); most rows
+        # a step (0: all).
         self.frame_rate, self.horizon_s, self.step_rows = frame_rate, horizon_s, step_rows
-        # Steps wait for company (`company_wait`) while every row has over `step_spare_s` of slack,
-        # up to `step_wait_s` after the last step (0: never).
-        self.step_wait_s, self.step_spare_s = step_wait_s, step_spare_s
-        self.first_frames, self.largest_piece = pieces
-        self._boundaries, self._ramp_end = _piece_boundaries(*pieces)
+        self.pieces = pieces
         self.clock = clock
         self.step_s = 0.0  # recent seconds between two decode steps (a moving average)
         self._last_step: float | None = None
@@ -409,36 +404,22 @@ class Scheduler:
     def decoding(self) -> np.ndarray:
         """The slots that decode a frame at this step, most urgent first: those that want one,
         less the streams whose listeners have more than `horizon_s` of audio ahead (unless
-        requests wait for a slot), at most `step_rows` of them; none while the step waits for
-        company (`company_wait`)."""
+        requests wait for a slot), at most `step_rows` of them."""
         slots = self.table.wanting()
         if not slots.size:
             return slots
-        now = self.clock()
-        slack = self.slack(slots, now)
+        slack = self.slack(slots, self.clock())
         crowded = bool(self._waiting) and not self._free  # finishing sooner frees a slot for them
         if self.horizon_s > 0 and not crowded:
             keep = slack <= self.horizon_s  # the others' listeners have enough to play: they yield
             slots, slack = slots[keep], slack[keep]
-            if self.company_wait(slack, now) > 0:
-                return slots[:0]
         slots = slots[np.lexsort((slots, slack))]
         return slots[: self.step_rows] if self.step_rows > 0 else slots
 
-    def company_wait(self, slack: np.ndarray, now: float) -> float:
-        """Seconds a step of rows with this slack waits for company: while every row has more
-        than `step_spare_s` (no first frames, no session's, no stream near its listener), until
-        `step_wait_s` after the last step or until the first row is down to `step_spare_s`."""
-        if self.step_wait_s <= 0 or self._last_step is None or not slack.size:
-            return 0.0
-        spare = float(np.min(slack)) - self.step_spare_s
-        return max(0.0, min(spare, self._last_step + self.step_wait_s - now))
-
     def next_turn_in(self) -> float:
         """Seconds until there is work: 0 when a ticket can take a slot, a chunk can start, a
-        request was cancelled or wants a frame now; else until a step waiting for company goes
-        or the first stream that yields wants a frame again (inf: nothing to do until something
-        arrives)."""
+        request was cancelled or wants a frame now; else until the first stream that yields
+        wants one again (inf: nothing to do until something arrives)."""
         if self._returning and self._free:
             return 0.0
         if self._waiting and self._room() and any(self._admissible(t) for t in self._waiting):
@@ -452,12 +433,7 @@ class Scheduler:
         slots = self.table.wanting()
         if not slots.size:
             return math.inf
-        now = self.clock()
-        slack = self.slack(slots, now)
-        due = slack[slack <= self.horizon_s]
-        if due.size:  # (rows that want a frame: the step waits for company)
-            return self.company_wait(due, now)
-        return max(float(np.min(slack)) - self.horizon_s, 0.0)
+        return max(float(np.min(self.slack(slots, self.clock()))) - self.horizon_s, 0.0)
 
     def slack(self, slots: np.ndarray, now: float) -> np.ndarray:
         """How long each slot's request can go without a frame, in seconds. A stream: until its
@@ -471,19 +447,14 @@ class Scheduler:
         audible, next_piece = self.pieces_around(frames)
         with np.errstate(invalid="ignore"):
             stream = t.playing[slots] + audible / self.frame_rate - now - (next_piece - frames) * self.step_s
-        silent = np.isnan(stream) | (frames < self.first_frames) | t.session[slots]
+        silent = np.isnan(stream) | (frames < self.pieces.frames(0)) | t.session[slots]
         stream = np.where(silent, -np.inf, stream)
         return np.where(t.stream[slots], stream, self.horizon_s - (now - t.last_turn[slots]))
 
     def pieces_around(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each count of frames of a stream: the frames in its finished codec pieces, and
-        where its next piece ends (pieces of `first_frames`, doubling up to `largest_piece`)."""
-        frames = np.asarray(frames)
-        b, ramp = self._boundaries, self._ramp_end
-        i = np.clip(np.searchsorted(b, frames, side="right") - 1, 0, len(b) - 2)
-        steady = ramp + (np.maximum(frames - ramp, 0) // self.largest_piece) * self.largest_piece
-        on_ramp = frames < ramp
-        return np.where(on_ramp, b[i], steady), np.where(on_ramp, b[i + 1], steady + self.largest_piece)
+        where its next piece ends."""
+        return self.pieces.around(frames)
 
     def advance(self, slots: np.ndarray) -> None:
         """A step has queued one more frame for each of these slots."""
@@ -570,15 +541,3 @@ class Scheduler:
 
 def _seed(generator) -> int:
     return generator.initial_seed() if hasattr(generator, "initial_seed") else 0
-
-
-def _piece_boundaries(first: int, largest: int) -> tuple[np.ndarray, int]:
-    """Where a stream's codec pieces end while they still grow (0, first, first + 2 first, ...),
-    and the frames before its first piece of the largest size (after it, every piece is that)."""
-    bounds, piece = [0, first], min(2 * first, largest)
-    while piece < largest:
-        bounds.append(bounds[-1] + piece)
-        piece = min(2 * piece, largest)
-    ramp = bounds[-1]
-    bounds.append(ramp + largest)  # so that a count on the ramp always has its next boundary
-    return np.array(bounds, np.int64), ramp
