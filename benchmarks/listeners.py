@@ -336,8 +336,7 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
     }
     if len(busy) == 2:
         streamed = {key: frame_times.get(key, []) for key, record in records.items() if record["planned"].body.get("stream")}
-        level["busy"] = busy_summary(recorder, streamed, busy["began"], busy["ended"], batcher.scheduler.pieces.first,
-                                     batcher.scheduler.pieces.ramp_end)
+        level["busy"] = busy_summary(recorder, streamed, busy["began"], busy["ended"], batcher.scheduler.pieces)
     if window.summary is not None:
         level["gpu_window"] = window.summary
         start = t0 + duration_s / 2
@@ -348,13 +347,14 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
 BUSY_FROM = 1 / 3  # the busy part of a level: from this share of its asking time to its end
 
 
-def busy_summary(recorder: Recorder, frame_times: dict, began: tuple, ended: tuple, first: int, ramp: int) -> dict:
+def busy_summary(recorder: Recorder, frame_times: dict, began: tuple, ended: tuple, pieces) -> dict:
     """The engine while every listener is asking (not the level's drain, whose lighter steps
-    dilute its averages): the decode step's period and rows, host and GPU-wait time per step by
-    phase, how often a step also prefilled, and the gap between a stream's frames on its
-    codec pieces' ramp (its first `ramp` frames, after the `first`) and after it (streams only)."""
+    dilute its averages): the decode step's period and rows, host and wait time per step (host
+    time by phase), how often a step also prefilled, and the gap between a stream's frames before
+    its first codec piece, on the pieces' ramp and after it (`pieces`: the `PieceSchedule`;
+    streams only)."""
     (t_from, before), (t_to, after) = began, ended
-    steps = np.array([(t, n) for t, n in recorder.steps if t_from <= t < t_to] or [(t_from, 0)], float)
+    steps = np.array([(t, n) for t, n in recorder.steps if t_from <= t < t_to], float).reshape(-1, 2)
     starts = [n for t, n in recorder.starts if t_from <= t < t_to]
     count = max(1, after["steps"] - before["steps"])
     per_step = {k: 1e3 * (after[k] - before[k]) / count for k in ("wall_s", "host_s", "host_cpu_s", "wait_s")}
@@ -363,11 +363,12 @@ def busy_summary(recorder: Recorder, frame_times: dict, began: tuple, ended: tup
     for arrived in frame_times.values():
         for i in range(1, len(arrived)):
             if t_from <= arrived[i - 1] and arrived[i] < t_to:
-                part = "first_piece" if i < first else "ramp" if i < ramp else "steady"
+                part = "first_piece" if i < pieces.first else "ramp" if i < pieces.ramp_end else "steady"
                 gaps[part].append(arrived[i] - arrived[i - 1])
     return {"seconds": t_to - t_from, "decode_steps": len(steps),
             "step_period_ms": percentiles_ms(np.diff(steps[:, 0]).tolist()),
-            "rows_per_step": {"mean": float(steps[:, 1].mean()), "p90": float(np.percentile(steps[:, 1], 90))},
+            "rows_per_step": {"mean": float(steps[:, 1].mean()), "p90": float(np.percentile(steps[:, 1], 90))}
+            if len(steps) else None,
             "frames_per_s": float(steps[:, 1].sum() / (t_to - t_from)),
             "prefills_per_s": len(starts) / (t_to - t_from), "chunks_per_prefill": float(np.mean(starts)) if starts else 0.0,
             "per_step_ms": {k.replace("_s", "_ms"): round(v, 3) for k, v in per_step.items()}, "phase_ms_per_step": phases,

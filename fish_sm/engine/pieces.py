@@ -18,13 +18,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class PieceSchedule:
-    """Pieces of `first` frames, each length `repeats` times, doubling up to `largest` (every
-    piece after this ramp; a `first` above `largest` is a ramp of its own)."""
+    """Pieces of `first` frames, each length `repeats` times, doubling while below `largest`
+    (this ramp), then every piece `largest`."""
 
     first: int = 4
     largest: int = 64
     repeats: int = 1
-    ramp: np.ndarray = field(init=False, repr=False, compare=False)  # the lengths before the largest, in order
+    ramp: np.ndarray = field(init=False, repr=False, compare=False)  # the lengths before the largest's run, in order
     bounds: np.ndarray = field(init=False, repr=False, compare=False)  # frames before each ramp piece, then the ramp's end
     scheduled: np.ndarray = field(init=False, repr=False, compare=False)  # every length a piece may have, shortest first
 
@@ -33,19 +33,17 @@ class PieceSchedule:
             raise ValueError(f"pieces of {self.first} frames first, {self.largest} at most: both at least 1")
         if self.repeats < 1:
             raise ValueError(f"piece repeats {self.repeats}: at least 1")
-        ramp, n = [], self.first
+        ramp, n = [self.first] * self.repeats, 2 * self.first
         while n < self.largest:
             ramp += [n] * self.repeats
             n *= 2
-        if self.first > self.largest:
-            ramp = [self.first] * self.repeats
         object.__setattr__(self, "ramp", np.array(ramp, np.int64))
         object.__setattr__(self, "bounds", np.concatenate([[0], np.cumsum(ramp, dtype=np.int64)]).astype(np.int64))
         object.__setattr__(self, "scheduled", np.array(sorted({*ramp, self.largest}), np.int64))
 
     @property
     def ramp_end(self) -> int:
-        """Frames before the first piece of the largest length."""
+        """Frames before the ramp's last piece is followed by `largest` ones."""
         return int(self.bounds[-1])
 
     def lengths(self) -> list[int]:
@@ -55,8 +53,8 @@ class PieceSchedule:
     def frames(self, index):
         """Frames in piece `index` (an int, or an array of them)."""
         index = np.asarray(index, np.int64)
-        ramp = self.ramp[np.minimum(index, len(self.ramp) - 1)] if len(self.ramp) else self.largest
-        out = np.where(index < len(self.ramp), ramp, self.largest)
+        k = len(self.ramp)
+        out = np.where(index < k, self.ramp[np.minimum(index, k - 1)], self.largest)
         return int(out) if out.ndim == 0 else out
 
     def start(self, index):
@@ -70,8 +68,6 @@ class PieceSchedule:
         """For each count of a stream's frames: the frames in its finished pieces, and where the
         piece that holds its next frame ends."""
         frames = np.asarray(frames, np.int64)
-        on_ramp = frames < self.ramp_end
-        i = np.clip(np.searchsorted(self.bounds, frames, side="right") - 1, 0, max(len(self.bounds) - 2, 0))
-        steady = self.ramp_end + (np.maximum(frames - self.ramp_end, 0) // self.largest) * self.largest
-        ramp_end = self.bounds[np.minimum(i + 1, len(self.bounds) - 1)]
-        return np.where(on_ramp, self.bounds[i], steady), np.where(on_ramp, ramp_end, steady + self.largest)
+        on_ramp = np.searchsorted(self.bounds, frames, side="right") - 1
+        index = np.where(frames < self.ramp_end, on_ramp, len(self.ramp) + (frames - self.ramp_end) // self.largest)
+        return self.start(index), self.start(index + 1)
