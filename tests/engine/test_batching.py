@@ -305,7 +305,8 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, solo):
     codec._half = failing
     jobs = [Job(TEXTS[i % 4], params=SamplingParams(seed=i, max_new_tokens=12)) for i in range(3)]
     with batcher:
-        tickets = [batcher.submit(job) for job in jobs]
+        with batcher._lock:  # all three admitted in one step: their first pieces one batch
+            tickets = [batcher.submit(job) for job in jobs]
         outcomes = []
         for ticket in tickets:
             try:
