@@ -424,14 +424,6 @@ class StreamingCodec:
         """Pieces of `frames` frames that go through either half in one batch."""
         return max(1, self.max_batch_frames // frames)
 
-    @property
-    def first(self) -> int:
-        return self.schedule.first
-
-    @property
-    def largest(self) -> int:
-        return self.schedule.largest
-
     def next_frames(self, pieces: int) -> int:
         """Frames in a stream's next piece, after `pieces` of them."""
         return self.schedule.frames(pieces)
@@ -582,7 +574,7 @@ class StreamingCodec:
         if device.type != "cuda":
             return 0
         most = 0
-        for frames in (self.largest, self.first):  # few rows of long pieces, many of short ones
+        for frames in (self.schedule.largest, self.schedule.first):  # few rows of long pieces, many of short ones
             rows = self.rows_for(frames)
             latents, contexts = self.back.silence(rows, frames), self.back.initial(rows)
             torch.cuda.synchronize(device)

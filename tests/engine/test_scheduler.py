@@ -89,7 +89,7 @@ def test_a_stream_counts_only_the_audio_of_its_finished_codec_pieces():
     s = scheduler(clock, pieces=(4, 16))
     r = admit(s, stream=True)[0]
     run_frames(s, r, 59)  # 60 frames: pieces of 4, 8, 16, 16 (44 frames) finished, 16 more of the next
-    assert [int(x) for x in s.pieces_around(60)] == [60, 76] and [int(x) for x in s.pieces_around(59)] == [44, 60]
+    assert [int(x) for x in s.pieces.around(60)] == [60, 76] and [int(x) for x in s.pieces.around(59)] == [44, 60]
     s.step_s = 0.05
     assert abs(s.slack(np.array([r.slot]), clock.now)[0] - (60 / RATE - 16 * 0.05)) < 1e-9
     run_frames(s, r, 1)

@@ -444,17 +444,12 @@ class Scheduler:
         streams with more slack than that)."""
         t = self.table
         frames = t.frames[slots]
-        audible, next_piece = self.pieces_around(frames)
+        audible, next_piece = self.pieces.around(frames)  # frames in its finished pieces; where its next one ends
         with np.errstate(invalid="ignore"):
             stream = t.playing[slots] + audible / self.frame_rate - now - (next_piece - frames) * self.step_s
-        silent = np.isnan(stream) | (frames < self.pieces.frames(0)) | t.session[slots]
+        silent = np.isnan(stream) | (frames < self.pieces.first) | t.session[slots]
         stream = np.where(silent, -np.inf, stream)
         return np.where(t.stream[slots], stream, self.horizon_s - (now - t.last_turn[slots]))
-
-    def pieces_around(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For each count of frames of a stream: the frames in its finished codec pieces, and
-        where its next piece ends."""
-        return self.pieces.around(frames)
 
     def advance(self, slots: np.ndarray) -> None:
         """A step has queued one more frame for each of these slots."""
