@@ -7,10 +7,10 @@ benchmarks/engine.py runs them) is run up to three times on one compiled engine 
    less their waits for the GPU's frames and for work, and the part of it that was the thread's
    own CPU time (the rest: waiting for the GIL) (`BatchEngine.stats`, always counted);
 2. cuda: the same with a CUDA profile (torch.profiler) and no Python hook: each CUDA stream's
-   GPU time (kernels, busy time as the union of its kernels' intervals), the decode stream's
-   busy time per step (the stream that ran the decode step's noise kernel), how long it and
-   the codec's stream (the next busiest) ran at the same time, and the wall time per step
-   against that busy time;
+   GPU time (kernels, busy time as the union of its kernels' intervals, the kernels that took
+   most of it), the decode stream's busy time per step (the stream that ran the decode step's
+   noise kernel), how long it and the codec's stream (the next busiest) ran at the same time,
+   and the wall time per step against that busy time;
 3. hook: the host time of the engine thread's and the codec thread's calls, per decode step,
    from a profile hook on those threads (`threading.setprofile`: nothing in fish_sm is
    replaced; each call's time includes what it calls, and the hook slows the Python it
@@ -48,6 +48,7 @@ from benchmarks.engine import (BATCH_TEXTS, batching_level, environment, load,  
 # that no longer exists is reported as missing, not an error.
 ENGINE_THREAD = "fish-sm-batching"
 CODEC_THREAD = "fish-sm-codec"
+TOP_KERNELS = 12  # kernels by time reported per CUDA stream
 DECODE_KERNEL = "_exponential"  # the Triton kernel that draws each decode step's noise (kernels.exponential_noise)
 TIMED = [
     ("fish_sm.engine.batching.engine", "BatchEngine", "_schedule"),  # wait for work, the scheduler's decisions
@@ -123,20 +124,24 @@ def stream_times(trace: list[dict]) -> dict:
     """Per CUDA stream of a chrome trace: kernels, their summed and busy (union) ms, and its
     busy intervals (for overlaps)."""
     by_stream = collections.defaultdict(list)
-    names = collections.defaultdict(set)
+    by_name = collections.defaultdict(lambda: collections.defaultdict(float))  # stream -> kernel -> µs
     for e in trace:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             stream = e.get("args", {}).get("stream", e.get("tid"))
             by_stream[stream].append((e["ts"], e["ts"] + e["dur"], e["cat"]))
             if e.get("cat") == "kernel":
-                names[stream].add(e.get("name", ""))
+                by_name[stream][e.get("name", "")] += e["dur"]
     out = {}
     for stream, spans in by_stream.items():
         merged = union((start, end) for start, end, _ in spans)
+        names = by_name[stream]
         out[stream] = {"kernels": sum(cat == "kernel" for _, _, cat in spans),
                        "summed_ms": sum(end - start for start, end, _ in spans) / 1e3,
                        "busy_ms": sum(end - start for start, end in merged) / 1e3, "intervals": merged,
-                       "decode": any(DECODE_KERNEL in name for name in names[stream])}
+                       "decode": any(DECODE_KERNEL in name for name in names),
+                       # the kernels that took most of the stream's time (names cut to 90 characters)
+                       "top_ms": {name[:90]: round(us / 1e3, 2)
+                                  for name, us in sorted(names.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]}}
     return out
 
 
@@ -179,7 +184,7 @@ def gpu_summary(prof, steps: int) -> dict:
     # The decode stream: the one that ran the decode step's noise kernel (else the one with the most
     # kernels); the codec's: the busiest of the others.
     ranked = sorted(streams, key=lambda s: (not streams[s]["decode"], -streams[s]["kernels"]))
-    out = {"streams": {str(s): {k: round(v, 2) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}
+    out = {"streams": {str(s): {k: v if k == "top_ms" else round(v, 2) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}
     if ranked:
         decode = streams[ranked[0]]
         out["decode_stream"] = str(ranked[0])

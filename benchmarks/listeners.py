@@ -206,7 +206,7 @@ def gpu_window(prof, window_s: float) -> dict:
     merged = union(iv for s in streams.values() for iv in s["intervals"])
     ranked = sorted(streams, key=lambda s: (not streams[s]["decode"], -streams[s]["busy_ms"]))
     out = {"window_ms": 1e3 * window_s, "gpu_busy_ms": sum(hi - lo for lo, hi in merged) / 1e3,
-           "streams": {str(s): {k: round(v, 1) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}
+           "streams": {str(s): {k: v if k == "top_ms" else round(v, 1) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}
     out["gpu_busy_fraction"] = out["gpu_busy_ms"] / out["window_ms"]
     if len(ranked) > 1:
         out["decode_and_codec_together_ms"] = overlap_ms(streams[ranked[0]]["intervals"], streams[ranked[1]]["intervals"])

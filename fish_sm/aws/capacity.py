@@ -15,8 +15,8 @@ from dataclasses import dataclass
 # source below) when a new `fish-sm capacity` run on an H100 supersedes it.
 H100_STREAMS_PER_GPU = 256
 # The same for one H200, measured as a closed loop of listeners (each asks again once its answer
-# has played); one engine core per GPU. Two GPUs behind one front end are not measured yet: an
-# instance's figure is this times its GPUs.
+# has played); one engine core per GPU. An instance's figure is this times its GPUs: two H200s
+# behind one front end kept 1,280 listeners within the SLO (docs/benchmarks.md "Issue 42").
 H200_STREAMS_PER_GPU = 640
 
 

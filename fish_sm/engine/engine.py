@@ -41,9 +41,13 @@ SILENCE_PEAK = 1e-4
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """The device to load on. A GPU named by its index also becomes this process's current
+    device: Triton's launches, CUDA events and streams made without a device go to the current
+    one, and on another GPU they would fail or order nothing."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -728,6 +728,25 @@ def test_batches_queued_ahead_on_the_gpu_give_the_audio_of_batches_run_in_turn_o
         np.testing.assert_array_equal(one, two)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_engine_on_the_second_gpu_gives_the_codes_of_one_on_the_first(tiny_checkpoint):
+    """An engine loaded on cuda:1, as the second engine core loads it, runs there (its Triton
+    kernels, events and side streams on its own GPU, which loading makes current) and gives the
+    codes that an engine on cuda:0 gives."""
+    codes = []
+    try:
+        for index in (0, 1):
+            engine = Engine.from_pretrained(tiny_checkpoint, device=f"cuda:{index}")
+            assert torch.cuda.current_device() == index
+            result = engine.synthesize(TEXTS[0], seed=3, max_new_tokens=24)
+            engine.batching().stop()
+            codes.append(result.codes.cpu())
+            del engine
+    finally:
+        torch.cuda.set_device(0)
+    torch.testing.assert_close(codes[0], codes[1], rtol=0, atol=0)
+
+
 SENTENCES = ["The first sentence is here.", "A second one follows it now.", "And the third ends it all."]
 
 
