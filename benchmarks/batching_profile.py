@@ -145,6 +145,11 @@ def stream_times(trace: list[dict]) -> dict:
     return out
 
 
+def reported(stream: dict, digits: int) -> dict:
+    """One stream of `stream_times` as reported: its figures rounded, its top kernels, no intervals."""
+    return {k: v if k == "top_ms" else round(v, digits) for k, v in stream.items() if k != "intervals"}
+
+
 def union(intervals) -> list[list[float]]:
     """(start, end) intervals as the sorted, disjoint intervals that cover them."""
     merged: list[list[float]] = []
@@ -184,7 +189,7 @@ def gpu_summary(prof, steps: int) -> dict:
     # The decode stream: the one that ran the decode step's noise kernel (else the one with the most
     # kernels); the codec's: the busiest of the others.
     ranked = sorted(streams, key=lambda s: (not streams[s]["decode"], -streams[s]["kernels"]))
-    out = {"streams": {str(s): {k: v if k == "top_ms" else round(v, 2) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}
+    out = {"streams": {str(s): reported(streams[s], 2) for s in ranked}}
     if ranked:
         decode = streams[ranked[0]]
         out["decode_stream"] = str(ranked[0])

@@ -198,7 +198,7 @@ class GpuWindow:
 def gpu_window(prof, window_s: float) -> dict:
     """Over the first `window_s` seconds of the recorded GPU work: each stream's busy ms, the
     decode's and codec's overlap, and the union of every stream's work against the window."""
-    from benchmarks.batching_profile import chrome_trace, overlap_ms, stream_times, union
+    from benchmarks.batching_profile import chrome_trace, overlap_ms, reported, stream_times, union
 
     spans = [e for e in chrome_trace(prof) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     began = min((e["ts"] for e in spans), default=0.0)
@@ -206,7 +206,7 @@ def gpu_window(prof, window_s: float) -> dict:
     merged = union(iv for s in streams.values() for iv in s["intervals"])
     ranked = sorted(streams, key=lambda s: (not streams[s]["decode"], -streams[s]["busy_ms"]))
     out = {"window_ms": 1e3 * window_s, "gpu_busy_ms": sum(hi - lo for lo, hi in merged) / 1e3,
-           "streams": {str(s): {k: v if k == "top_ms" else round(v, 1) for k, v in streams[s].items() if k != "intervals"} for s in ranked}}
+           "streams": {str(s): reported(streams[s], 1) for s in ranked}}
     out["gpu_busy_fraction"] = out["gpu_busy_ms"] / out["window_ms"]
     if len(ranked) > 1:
         out["decode_and_codec_together_ms"] = overlap_ms(streams[ranked[0]]["intervals"], streams[ranked[1]]["intervals"])

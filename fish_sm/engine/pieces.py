@@ -3,7 +3,7 @@ next ones growing up to a largest length (the codec runs fewer, larger batches),
 32, 64, 64, ... frames. The codec (`StreamingCodec`), its worker and the scheduler, which times
 each stream's turns by the pieces its listener has, all read one `PieceSchedule`.
 
-A listener never waits on the ramp only if its stream decodes faster than its pieces grow: while
+A listener waits on the ramp unless its stream decodes faster than its pieces grow: while
 piece i plays, piece i+1 is decoded, so pieces that double need frames at twice real time (and
 more, for the codec's latency). Under load a step takes longer and a stream gets one frame a
 step, so `repeats` > 1 holds each length for that many pieces before it grows: growth of about
