@@ -37,7 +37,7 @@ def shrink_reference(x: Tensor, a: Tensor, ids: Tensor, per_id: int) -> Tensor:
 def expand_reference(v: Tensor, b: Tensor, ids: Tensor, per_id: int, parts: int) -> Tensor:
     """v [N, parts·R] float32, b [slots, out, R] -> [N, out] in b's dtype: row n's v · b[slot]ᵀ,
     half k of the outputs from v's k-th R numbers."""
-    n, (slots, out, rank) = v.shape[0], b.shape
+    n, (_, out, rank) = v.shape[0], b.shape
     w = b[ids.repeat_interleave(per_id)].float().view(n, parts, out // parts, rank)
     return torch.einsum("nkr,nkor->nko", v.view(n, parts, rank), w).reshape(n, out).to(b.dtype)
 

@@ -61,6 +61,11 @@ class KernelAttention(Attention):
             # The mask is "slot <= position" (`forward_slow`'s), which the kernel applies itself,
             # reading only each row's live slots.
             return decode_attention.decode_attention(q, k, v, input_pos)
+        if mask is None and q.shape[2] == 1 and input_pos.numel() == 1 and decode_attention.usable(q, k, v):
+            # One new token, unmasked (a fast layer's codebook position, its k/v the last of the
+            # `live` slots): the same sum over slots 0..input_pos, where SDPA's kernels cost
+            # tens of µs a call for the few slots of many rows.
+            return decode_attention.decode_attention(q, k, v, input_pos)
         return super().over(q, k, v, input_pos, live, mask)
 
     def over_rows(self, q: Tensor, rows: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:

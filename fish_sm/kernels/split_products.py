@@ -8,8 +8,9 @@ bf16 as the model does, adds the residual and writes the output. An atomic count
 says which program is last; that program sets it back to 0, so the kernel leaves no state
 behind (graph replays and later calls find it zeroed).
 
-CUDA with Triton only; elsewhere, and for shapes the split does not divide, `split_product`
-runs the model's own arithmetic in torch: `res + F.linear(x, w)`.
+At many rows there are tiles enough for cuBLAS, whose wider tiles read each row's inputs fewer
+times: beyond `MOST_SPLIT_ROWS` rows, as on CPUs, without Triton and for shapes the split does
+not divide, `split_product` runs the model's own arithmetic in torch: `res + F.linear(x, w)`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ except ImportError:  # CPU builds of torch come without Triton
 BLOCK_N, BLOCK_K, SPLIT, STAGES, WARPS = 32, 64, 4, 5, 4
 MOST_ROWS = 128  # rows per tile (more rows: more tiles)
 COUNTERS = 256  # tiles a call may have (1,024 outputs / 32 columns = 32 per 128 rows)
+# The most rows the kernel takes: from 96 rows cuBLAS's product and an add are faster at all
+# three shapes, at 64 the kernel still is at two (benchmarks/step_kernels.py on an H200).
+MOST_SPLIT_ROWS = 64
 
 
 def readable(linear: torch.nn.Linear) -> bool:
@@ -38,11 +42,11 @@ def readable(linear: torch.nn.Linear) -> bool:
 
 
 def _splits(x: Tensor, w: Tensor, split: int = SPLIT, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-            most_rows: int = MOST_ROWS, counters: int = COUNTERS) -> bool:
+            most_rows: int = MOST_ROWS, counters: int = COUNTERS, most_split_rows: int = MOST_SPLIT_ROWS) -> bool:
     n, k = w.shape
     rows = x.numel() // k
     return (triton is not None and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and k % (split * block_k) == 0
-            and triton.cdiv(rows, most_rows) * triton.cdiv(n, block_n) <= counters)
+            and rows <= most_split_rows and triton.cdiv(rows, most_rows) * triton.cdiv(n, block_n) <= counters)
 
 
 # The counters are back at zero when the kernel returns: to the compiler it mutates nothing.

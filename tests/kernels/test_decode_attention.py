@@ -59,3 +59,25 @@ def test_decode_attention_reads_the_cache_rows_it_is_given():
     got = decode_attention.decode_attention(q, cache[0][:, :, :512], cache[1][:, :, :512], input_pos, rows=rows)
     want = decode_attention.decode_attention(q, cache[0][rows], cache[1][rows], input_pos)
     assert torch.equal(got, want)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bsz", [1, 64, 512])
+def test_a_fast_layer_s_unmasked_token_takes_the_kernel(bsz):
+    """A batched step's fast layers attend one new token over their first live codebook
+    positions without a mask: `KernelAttention.over` gives it to the kernel, with SDPA's result."""
+    from fish_sm.kernels.modules import KernelAttention
+    from fish_sm.model.dual_ar import Attention
+
+    attention = KernelAttention(Attention(1024, 16, 8, 64, False, False, False, 1e-6))
+    g = torch.Generator("cuda").manual_seed(bsz)
+    for live in (1, 2, 10):
+        q = torch.randn(bsz, 1, 16, 64, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+        cache = [torch.randn(bsz, 8, 10, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
+        k, v = (c[:, :, :live] for c in cache)
+        input_pos = torch.tensor([live - 1], device="cuda")
+        got = attention.over(q, k, v, input_pos, live, None)
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+        assert got.shape == (bsz, 1, 16 * 64)
+        assert (got.float() - want.transpose(1, 2).reshape(bsz, 1, -1)).abs().max().item() < 2e-2
+
