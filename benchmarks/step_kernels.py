@@ -5,10 +5,15 @@ few codebook positions, the decode-attention kernel against SDPA. Each call time
 in a CUDA graph of 100 calls (weights rotating through `--copies` copies). CUDA only; no
 checkpoint (random weights of the real shapes).
 
-    python benchmarks/step_kernels.py [--rows 16,32,64,128,256,512] [--copies 8] [--out DIR]
+`--launch N`: the host time of launching a CUDA graph of N small kernels (a decode step has
+~950), as the engine thread pays it: on an idle GPU, behind 1-3 launches of itself still
+running, and behind those with a second stream's graph running too (the codec's). A launch
+that waits for room in the GPU's queue is the GPU's time, not the host's.
 
-One line per shape and row count: each way's µs a call and which is shipped for it;
-DIR/step_kernels.json (DIR: --out, else $OUT, else .).
+    python benchmarks/step_kernels.py [--rows 16,32,64,128,256,512] [--copies 8] [--launch 950] [--out DIR]
+
+One line per shape and row count: each way's µs a call and which is shipped for it; with
+--launch, one line per case; DIR/step_kernels.json (DIR: --out, else $OUT, else .).
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -74,19 +81,60 @@ def fast_attention(rows: int) -> list[dict]:
     return out
 
 
+def launches(nodes: int, repeats: int = 20) -> list[dict]:
+    """Host µs of `graph.replay()` for a graph of `nodes` kernels, each over 16 MB, idle and
+    behind others (median of `repeats`)."""
+    x = torch.zeros(1 << 22, device="cuda")
+    side = torch.cuda.Stream()
+
+    def captured(n: int) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                x.mul_(0.5).add_(1.0)  # ~two kernels; the values stay bounded
+        return graph
+
+    step, other = captured(nodes // 2), captured(nodes // 2)
+    for g in (step, other):
+        g.replay()
+    torch.cuda.synchronize()
+    out = []
+    for ahead in (0, 1, 3):
+        for codec in (False, True):
+            times = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                if codec:
+                    with torch.cuda.stream(side):
+                        other.replay()
+                for _ in range(ahead):
+                    step.replay()
+                t0 = time.perf_counter()
+                step.replay()
+                times.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+            out.append({"launch": nodes, "in_flight_of_itself": ahead, "second_stream_busy": codec,
+                        "host_us": statistics.median(times), "host_us_max": max(times)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="16,32,64,128,256,512", help="rows of a step, comma-separated")
     p.add_argument("--copies", type=int, default=8, help="copies of the weights the calls rotate through")
+    p.add_argument("--launch", type=int, default=0, help="kernels of a graph whose launch is timed (0: none)")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where step_kernels.json goes")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU with Triton (the kernels alone)")
     out = {"environment": environment(), "copies": a.copies, "results": []}
-    for rows in (int(r) for r in a.rows.split(",")):
+    for rows in (int(r) for r in a.rows.split(",") if r):
         for entry in products(rows, a.copies) + fast_attention(rows):
             out["results"].append(entry)
             print(json.dumps(entry), flush=True)
+    for entry in launches(a.launch) if a.launch else []:
+        out["results"].append(entry)
+        print(json.dumps(entry), flush=True)
     with open(os.path.join(a.out, "step_kernels.json"), "w") as f:
         json.dump(out, f, indent=1)
     return out
