@@ -57,14 +57,11 @@ class KernelAttention(Attention):
         self.kv_cache = attention.kv_cache
 
     def over(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, live: int, mask: Tensor | None) -> Tensor:
-        if mask is not None and q.shape[2] == 1 and decode_attention.usable(q, k, v):
-            # The mask is "slot <= position" (`forward_slow`'s), which the kernel applies itself,
-            # reading only each row's live slots.
-            return decode_attention.decode_attention(q, k, v, input_pos)
-        if mask is None and q.shape[2] == 1 and input_pos.numel() == 1 and decode_attention.usable(q, k, v):
-            # One new token, unmasked (a fast layer's codebook position, its k/v the last of the
-            # `live` slots): the same sum over slots 0..input_pos, where SDPA's kernels cost
-            # tens of µs a call for the few slots of many rows.
+        # One new token: the kernel reads each row's slots up to its position. With the decode
+        # step's mask ("slot <= position", `forward_slow`'s) it applies that mask itself; without
+        # one (a fast layer's codebook position, its k/v the last of the `live` slots) those are
+        # every live slot, where SDPA's kernels cost tens of µs a call for many rows' few slots.
+        if q.shape[2] == 1 and (mask is not None or input_pos.numel() == 1) and decode_attention.usable(q, k, v):
             return decode_attention.decode_attention(q, k, v, input_pos)
         return super().over(q, k, v, input_pos, live, mask)
 
