@@ -80,4 +80,3 @@ def test_a_fast_layer_s_unmasked_token_takes_the_kernel(bsz):
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
         assert got.shape == (bsz, 1, 16 * 64)
         assert (got.float() - want.transpose(1, 2).reshape(bsz, 1, -1)).abs().max().item() < 2e-2
-
