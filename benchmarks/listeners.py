@@ -20,7 +20,9 @@ listener has less audio left goes beside a batch on the GPU rather than wait for
 (the codec's work queued on the decode loop's CUDA stream, one after the other, instead of its own
 stream beside it; the engine's threads restarted to take it). The scheduler's: `horizon_s` (slack
 past which a stream yields its turn). Both's: `piece_repeats` (pieces of each length on the codec's
-ramp, `PieceSchedule`).
+ramp, `PieceSchedule`). `codec_rows=N` (1 or 2) keeps only the codec's graphs of N batch sizes
+an octave (`batch_sizes`; 4 are captured), so that its batches pad more (for an A/B in one
+process; it cannot be undone, so it goes in the last variants, the fewest sizes last).
 
 `--profile-s S` records S seconds of the GPU's work (torch.profiler, CUDA activity only) from the
 middle of each level: each CUDA stream's busy time, the decode's and the codec's together, and
@@ -228,6 +230,8 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
     records = {}
     recorder.clear()
     stats_before = batcher.stats.snapshot()
+    codec = batcher._codec.codec
+    run_before, given_before = codec.frames_run, codec.frames_given
     t0 = time.perf_counter()
 
     def submit(planned) -> None:
@@ -325,6 +329,7 @@ def run_level(batcher, recorder: Recorder, listeners: int, duration_s: float, se
         "frames_per_s": rows / wall, "codec_batches": len(recorder.batches),
         "stall_at_audio_s": {q: float(np.percentile(heard_at, q)) for q in (10, 50, 90)} if heard_at else None,
         "codec_pieces_per_batch": float(batches[:, 0].mean()), "codec_frames_per_batch": float(batches[:, 1].mean()),
+        "codec_padding": 1 - (codec.frames_given - given_before) / max(1, codec.frames_run - run_before),
         "codec_batch_ms": percentiles_ms([t for t, _ in recorder.latencies]),
         "codec_batch_ms_alone": percentiles_ms([t for t, ahead in recorder.latencies if not ahead]),
         "codec_batch_ms_behind_another": percentiles_ms([t for t, ahead in recorder.latencies if ahead]),
@@ -375,6 +380,17 @@ def busy_summary(recorder: Recorder, frame_times: dict, began: tuple, ended: tup
             "frame_gap_ms": {k: percentiles_ms(v) for k, v in gaps.items()}}
 
 
+def keep_sizes(codec, per_octave: int) -> None:
+    """Only the codec's graphs of `per_octave` batch sizes an octave kept: its batches pad more."""
+    from fish_sm.engine.generate import batch_sizes
+
+    for graphs in (codec.fronts, codec.backs):
+        for n, rows in list(graphs):
+            if rows not in batch_sizes(codec._most_rows(n), per_octave):
+                del graphs[(n, rows)]
+    codec._fitting.clear()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint")
@@ -393,6 +409,7 @@ def main() -> None:
     os.environ.setdefault("FISH_SM_MAX_SEQ_LEN", str(args.max_seq_len))
     import torch
 
+    from fish_sm.engine.codec_stream import CODEC_SIZES_PER_OCTAVE
     from fish_sm.engine.pieces import PieceSchedule
     from fish_sm.serving.core import devices, start_engine
     from fish_sm.settings import Settings
@@ -412,17 +429,22 @@ def main() -> None:
         streams = {"own": worker._cuda, "decode": batcher.decode_stream}
         shipped["stream"] = "own"
         shipped["piece_repeats"] = scheduler.pieces.repeats
+        shipped["codec_rows"] = CODEC_SIZES_PER_OCTAVE
         for variant in [""] + args.variant:
             settings = dict(shipped)
             for item in filter(None, variant.split(",")):
                 name, _, value = item.partition("=")
-                if name not in shipped or (name == "stream" and value not in streams):
-                    raise SystemExit(f"--variant {item!r}: one of {', '.join(shipped)} (stream: own or decode)")
-                settings[name] = value if name == "stream" else type(shipped[name])(float(value))
+                if (name not in shipped or (name == "stream" and value not in streams)
+                        or (name == "codec_rows" and value not in ("1", "2"))):
+                    raise SystemExit(f"--variant {item!r}: one of {', '.join(shipped)} (stream: own or decode; "
+                                     "codec_rows: 1 or 2)")
+                settings[name] = value if isinstance(shipped[name], str) else type(shipped[name])(float(value))
             for name, owner in owners.items():
                 setattr(owner, name, settings[name])
             pieces = scheduler.pieces  # (between levels: every stream has ended)
             scheduler.pieces = worker.codec.schedule = PieceSchedule(pieces.first, pieces.largest, settings["piece_repeats"])
+            if settings["codec_rows"] != CODEC_SIZES_PER_OCTAVE:
+                keep_sizes(worker.codec, settings["codec_rows"])
             if streams[settings["stream"]] is not worker._cuda:  # the threads take their streams as they start
                 batcher.stop()
                 worker._cuda = streams[settings["stream"]]

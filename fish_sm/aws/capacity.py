@@ -16,8 +16,9 @@ from dataclasses import dataclass
 H100_STREAMS_PER_GPU = 256
 # The same for one H200, measured as a closed loop of listeners (each asks again once its answer
 # has played); one engine core per GPU. An instance's figure is this times its GPUs: two H200s
-# behind one front end kept 1,280 listeners within the SLO (docs/benchmarks.md "Issue 42").
-H200_STREAMS_PER_GPU = 640
+# behind one front end kept 1,280 listeners within the SLO when one kept 640 (docs/benchmarks.md
+# "Issue 42").
+H200_STREAMS_PER_GPU = 768
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,8 @@ MEASURED: dict[str, Measured] = {
         source='docs/benchmarks.md "Issue 35"'),
     "H200": Measured(
         streams_per_gpu=H200_STREAMS_PER_GPU, device="nvidia-h200 (one H200)", date="2026-11-29",
-        command="FISH_SM_CAPTURE=all FISH_SM_BENCHMARK_LENGTHS=true FISH_SM_MAX_SEQ_LEN=2048 fish-sm serve "
-                "s1-mini; fish-sm capacity --url http://127.0.0.1:8080 --listeners 640 --duration 30 "
-                "--keep-going",
+        command="FISH_SM_CAPTURE=all FISH_SM_BENCHMARK_LENGTHS=true FISH_SM_MAX_SEQ_LEN=2048 fish-sm capacity "
+                "--local s1-mini --listeners 704,768 --duration 30 --keep-going",
         source='docs/benchmarks.md "Issue 43"'),
 }
 

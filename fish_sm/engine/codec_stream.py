@@ -48,6 +48,7 @@ from fish_sm.errors import FishSMError
 from fish_sm.model.codec import Codec
 from fish_sm.model.codec.layers import CausalConv1d, CausalConvTranspose1d, KVCache, State
 
+CODEC_SIZES_PER_OCTAVE = 4  # batch sizes captured per doubling (`capture_shapes`)
 POSITIONS = 1 << 15  # code frames a stream may last (~25 minutes): the front's RoPE table, sized once
 
 
@@ -414,6 +415,9 @@ class StreamingCodec:
         self.backs: dict[tuple[int, int], Replay] = {}
         self.pending_captures: list[tuple[int, int]] = []  # (frames, rows) left by `capture` for `capture_next`
         self._fitting: dict[tuple, int] = {}  # `_rows`' answers
+        # Frames the back has run (each batch's graph rows times its length, padding included),
+        # and of them the pieces' own: what padding costs, for benchmarks.
+        self.frames_run = self.frames_given = 0
         self.lanes = 0
         if lanes:
             self.allocate(lanes)
@@ -502,6 +506,8 @@ class StreamingCodec:
                             commit(ran.lanes, ran.starts, ran.frames, ran.state)
                     if back is None and not home:  # the graph's own output: its next replay overwrites it
                         audio = audio.clone()
+                    self.frames_run += n * (b if back is not None else self._rows(n, b, self.backs))
+                    self.frames_given += int(frames[rows].sum())
                     out.add(rows, audio, frames[rows] * frame_length, home)
         except Exception as exc:
             if out.parts:
@@ -586,9 +592,13 @@ class StreamingCodec:
         return most
 
     def capture_shapes(self) -> list[tuple[int, int]]:
-        """Every (frames, rows) captured: each scheduled length at 1, 2, 4, ... rows up to a
-        batch (or the lanes, each a batch's row at most once), the fewest rows first."""
-        shapes = [(n, rows) for n in self.lengths() for rows in batch_sizes(self._most_rows(n))]
+        """Every (frames, rows) captured: each scheduled length at 1, 2, ..., 8, 10, 12, 14, 16,
+        20, ... rows (four sizes an octave) up to a batch (or the lanes, each a batch's row at
+        most once), the fewest rows first. A batch runs the smallest that holds it, and the
+        codec's work is per row, padding included: with powers of two alone a loaded codec ran
+        a quarter of its rows as padding."""
+        shapes = [(n, rows) for n in self.lengths()
+                  for rows in batch_sizes(self._most_rows(n), CODEC_SIZES_PER_OCTAVE)]
         return sorted(shapes, key=lambda s: (s[1], s[0]))
 
     def _most_rows(self, n: int) -> int:

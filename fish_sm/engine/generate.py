@@ -214,9 +214,13 @@ def length_buckets(max_seq_len: int, bucket: int = LIVE_BUCKET) -> list[int]:
     return sorted({attention_bucket(max_seq_len, live, bucket) for live in range(1, max_seq_len + 1)})
 
 
-def batch_sizes(most: int) -> list[int]:
-    """The batch sizes captured as graphs: powers of two up to `most`, and `most`."""
-    return sorted({*(1 << i for i in range(most.bit_length()) if 1 << i <= most), most})
+def batch_sizes(most: int, per_octave: int = 1) -> list[int]:
+    """The batch sizes captured as graphs: powers of two up to `most`, and `most`; with
+    `per_octave` 2 or 4, also the sizes that split each octave in that many steps (3 * 2^k; 5, 6,
+    7 * 2^k), for work that costs every padded row in full, as the codec's does: padding then adds
+    less than a half or a quarter of a batch's rows, where powers of two can nearly double them."""
+    sizes = {(1 << k) * (per_octave + j) // per_octave for k in range(most.bit_length()) for j in range(per_octave)}
+    return sorted({b for b in sizes if b <= most} | {most})
 
 
 ADMISSION_MIN_WIDTH = 32

@@ -275,6 +275,9 @@ def test_batch_sizes():
     assert batch_sizes(1) == [1]
     assert batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
     assert batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_sizes(64, 2) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert batch_sizes(100, 2)[-3:] == [64, 96, 100]
+    assert batch_sizes(40, 4) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40]
 
 
 def _wait(condition, timeout=30.0):

@@ -225,6 +225,7 @@ def test_last_pieces_shorter_than_scheduled_run_with_the_others(engine, monkeypa
                 out[i].append(audio)
     assert [(shape[0], shape[-1]) for shape in fronts] == [(3, 2), (1, 2), (2, 4)]
     assert [(b, t // pieces.back.steps) for b, t in backs] == [(3, 2), (1, 2), (2, 4)]  # 1 frame: 2; 3 and 4: 4
+    assert (pieces.frames_run, pieces.frames_given) == (3 * 2 + 1 * 2 + 2 * 4, 3 * 2 + 1 + 3 + 4)  # (the padding counted)
     for i, n in enumerate(lengths):
         whole = torch.cat(out[i], dim=-1)
         assert whole.shape[-1] == n * codec.frame_length
@@ -290,11 +291,14 @@ def test_the_back_in_float16_decodes_within_its_rounding_of_float32(engine):
 
 
 def test_the_codec_captures_every_batch_its_lanes_allow_the_fewest_rows_first():
-    """Graphs for 1, 2, 4, ... pieces of each scheduled length, up to a batch or the lanes (a
-    batch holds a lane once), in the order a server captures them once serving: small first."""
+    """Graphs for 1, 2, ..., 8, 10, 12, 14, 16, 20, ... pieces of each scheduled length, up to a
+    batch or the lanes (a batch holds a lane once), in the order a server captures them once
+    serving: small first."""
     codec = codec_from_state_dict(build_codec_state_dict(CodecConfig.tiny(), seed=4), device="cpu").eval()
     pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=5)
-    assert pieces.capture_shapes() == [(2, 1), (4, 1), (2, 2), (4, 2), (4, 3), (2, 4), (2, 5)]
+    assert pieces.capture_shapes() == [(2, 1), (4, 1), (2, 2), (4, 2), (2, 3), (4, 3), (2, 4), (2, 5)]
+    assert StreamingCodec(codec, first=2, largest=4, max_batch_frames=48, lanes=64).capture_shapes()[-6:] == [
+        (2, 12), (4, 12), (2, 14), (2, 16), (2, 20), (2, 24)]
     assert StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=1).capture_shapes() == [(2, 1), (4, 1)]
     pieces.capture(2)  # on the CPU nothing is captured, nor left to capture
     assert not pieces.fronts and not pieces.capturing
@@ -314,12 +318,12 @@ def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeyp
     codec = codec_from_state_dict(build_codec_state_dict(config, seed=4), device="cuda").eval()
     pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, back_dtype=torch.float32,
                             front_dtype=torch.float32, front_tf32=False, lanes=5)
-    every = [(2, 1), (2, 2), (2, 4), (2, 5), (4, 1), (4, 2), (4, 3)]  # (at most 5 rows: 5 lanes)
+    every = [(2, 1), (2, 2), (2, 3), (2, 4), (2, 5), (4, 1), (4, 2), (4, 3)]  # (at most 5 rows: 5 lanes)
     with torch.inference_mode():
         pieces.capture(early)
     if early:
         assert sorted(pieces.fronts) == [(2, 1), (2, 2), (4, 1), (4, 2)] and sorted(pieces.backs) == [(2, 2), (4, 2)]
-        assert pieces.pending_captures == [(4, 3), (2, 4), (2, 5)]  # the fewest rows first
+        assert pieces.pending_captures == [(2, 3), (4, 3), (2, 4), (2, 5)]  # the fewest rows first
     lengths, starts = (26, 19, 30, 23, 9), (0, 1, 2, 4, 4)
     codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(70 + n)).cuda()
              for n in lengths]
