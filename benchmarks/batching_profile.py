@@ -263,7 +263,7 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
             prof.__exit__(None, None, None)
         threads = {batcher._thread.native_id: ENGINE_THREAD, batcher._codec._thread.native_id: CODEC_THREAD}
     steps = after["steps"] - before["steps"]
-    per_step = {k: (after[k] - before[k]) * 1e3 / max(steps, 1) for k in ("wall_s", "wait_s", "host_s", "host_cpu_s")}
+    per_step = {k: (after[k] - before[k]) * 1e3 / max(steps, 1) for k in ("wall_s", "wait_s", "host_s", "host_cpu_s", "launch_s")}
     record = {"run": run, "streams": n, "rounds": rounds,
               "aggregate_frames_per_s": level["aggregate_frames_per_s"],
               "aggregate_decode_frames_per_s": level["aggregate_decode_frames_per_s"],
@@ -274,6 +274,7 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
               "decode_span_ms_per_step": level["decode_span_s"] * 1e3 / max(steps, 1),
               "iteration_ms_per_step": per_step["wall_s"], "host_ms_per_step": per_step["host_s"],
               "host_cpu_ms_per_step": per_step["host_cpu_s"],
+              "step_launch_ms_per_step": per_step["launch_s"],
               "gpu_wait_ms_per_step": per_step["wait_s"],
               "host_ms_per_step_by_phase": {k: round((after["phases_s"][k] - before["phases_s"][k]) * 1e3 / max(steps, 1), 3)
                                             for k in after["phases_s"]},

@@ -362,7 +362,7 @@ def busy_summary(recorder: Recorder, frame_times: dict, began: tuple, ended: tup
     steps = np.array([(t, n) for t, n in recorder.steps if t_from <= t < t_to], float).reshape(-1, 2)
     starts = [n for t, n in recorder.starts if t_from <= t < t_to]
     count = max(1, after["steps"] - before["steps"])
-    per_step = {k: 1e3 * (after[k] - before[k]) / count for k in ("wall_s", "host_s", "host_cpu_s", "wait_s")}
+    per_step = {k: 1e3 * (after[k] - before[k]) / count for k in ("wall_s", "host_s", "host_cpu_s", "wait_s", "launch_s")}
     phases = {k: round(1e3 * (after["phases_s"][k] - before["phases_s"][k]) / count, 3) for k in after["phases_s"]}
     gaps: dict[str, list] = {"first_piece": [], "ramp": [], "steady": []}
     for arrived in frame_times.values():

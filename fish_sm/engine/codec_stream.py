@@ -594,12 +594,18 @@ class StreamingCodec:
     def capture_shapes(self) -> list[tuple[int, int]]:
         """Every (frames, rows) captured: each scheduled length at 1, 2, ..., 8, 10, 12, 14, 16,
         20, ... rows (four sizes an octave) up to a batch (or the lanes, each a batch's row at
-        most once), the fewest rows first. A batch runs the smallest that holds it, and the
-        codec's work is per row, padding included: with powers of two alone a loaded codec ran
-        a quarter of its rows as padding."""
-        shapes = [(n, rows) for n in self.lengths()
-                  for rows in batch_sizes(self._most_rows(n), CODEC_SIZES_PER_OCTAVE)]
-        return sorted(shapes, key=lambda s: (s[1], s[0]))
+        most once). A batch runs the smallest that holds it, and the codec's work is per row,
+        padding included: with powers of two alone a loaded codec ran a quarter of its rows as
+        padding. In the order a server captures them once serving: the powers of two (and the
+        largest) first, the fewest rows first, so that every batch has a graph soon; then the
+        sizes between them."""
+        shapes, between = [], []
+        for n in self.lengths():
+            most = self._most_rows(n)
+            doubling = batch_sizes(most)
+            for rows in batch_sizes(most, CODEC_SIZES_PER_OCTAVE):
+                (shapes if rows in doubling else between).append((n, rows))
+        return sorted(shapes, key=lambda s: (s[1], s[0])) + sorted(between, key=lambda s: (s[1], s[0]))
 
     def _most_rows(self, n: int) -> int:
         """The most pieces of `n` frames in one batch: a batch's, or the lanes' (one piece a lane)."""

@@ -177,6 +177,20 @@ def test_overload_is_refused_at_once_and_cancel_frees_the_slot(tiny_checkpoint):
     assert done.frames == 8
 
 
+def test_the_step_s_launch_is_counted_within_its_phase(solo):
+    """The engine's stats split the decode step's launch (its graph's replay, here the eager
+    step) out of the step phase: a part of it, for every step run."""
+    batcher = BatchEngine(solo, max_batch=2)
+    with batcher:
+        before = batcher.stats.snapshot()
+        for ticket in [batcher.submit(Job(text, params=SamplingParams(seed=i, max_new_tokens=6)))
+                       for i, text in enumerate(TEXTS[:2])]:
+            ticket.result()
+        after = batcher.stats.snapshot()
+    launch = after["launch_s"] - before["launch_s"]
+    assert after["steps"] > before["steps"] and 0 < launch <= after["phases_s"]["step"] - before["phases_s"]["step"]
+
+
 def test_a_closed_loop_level_keeps_each_client_to_one_request_at_a_time(tiny_checkpoint, monkeypatch):
     from benchmarks import engine as benchmark
 

@@ -290,16 +290,17 @@ def test_the_back_in_float16_decodes_within_its_rounding_of_float32(engine):
     assert StreamingCodec(engine.codec, first=2, largest=8).back.dtype == torch.float32  # the CPU's default
 
 
-def test_the_codec_captures_every_batch_its_lanes_allow_the_fewest_rows_first():
+def test_the_codec_captures_every_batch_its_lanes_allow_powers_of_two_first():
     """Graphs for 1, 2, ..., 8, 10, 12, 14, 16, 20, ... pieces of each scheduled length, up to a
     batch or the lanes (a batch holds a lane once), in the order a server captures them once
-    serving: small first."""
+    serving: the powers of two and the largest, small first, then the sizes between them."""
     codec = codec_from_state_dict(build_codec_state_dict(CodecConfig.tiny(), seed=4), device="cpu").eval()
     pieces = StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=5)
-    assert pieces.capture_shapes() == [(2, 1), (4, 1), (2, 2), (4, 2), (2, 3), (4, 3), (2, 4), (2, 5)]
-    assert StreamingCodec(codec, first=2, largest=4, max_batch_frames=48, lanes=64).capture_shapes()[-6:] == [
-        (2, 12), (4, 12), (2, 14), (2, 16), (2, 20), (2, 24)]
+    assert pieces.capture_shapes() == [(2, 1), (4, 1), (2, 2), (4, 2), (4, 3), (2, 4), (2, 5), (2, 3)]
     assert StreamingCodec(codec, first=2, largest=4, max_batch_frames=12, lanes=1).capture_shapes() == [(2, 1), (4, 1)]
+    wide = StreamingCodec(codec, first=2, largest=4, max_batch_frames=48, lanes=64).capture_shapes()
+    assert wide[:11] == [(2, 1), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4), (2, 8), (4, 8), (4, 12), (2, 16), (2, 24)]
+    assert wide[-4:] == [(4, 10), (2, 12), (2, 14), (2, 20)]
     pieces.capture(2)  # on the CPU nothing is captured, nor left to capture
     assert not pieces.fronts and not pieces.capturing
 
@@ -323,7 +324,7 @@ def test_captured_fronts_and_back_decode_like_the_whole_sequence_on_cuda(monkeyp
         pieces.capture(early)
     if early:
         assert sorted(pieces.fronts) == [(2, 1), (2, 2), (4, 1), (4, 2)] and sorted(pieces.backs) == [(2, 2), (4, 2)]
-        assert pieces.pending_captures == [(2, 3), (4, 3), (2, 4), (2, 5)]  # the fewest rows first
+        assert pieces.pending_captures == [(4, 3), (2, 4), (2, 5), (2, 3)]  # powers of two first
     lengths, starts = (26, 19, 30, 23, 9), (0, 1, 2, 4, 4)
     codes = [torch.randint(0, 1024, (1, codec.n_rows, n), generator=torch.Generator().manual_seed(70 + n)).cuda()
              for n in lengths]

@@ -378,7 +378,9 @@ class BatchEngine:
         first = self._start_chunks(schedule.starting)
         at = self.stats.lap("prefill", at)
         slots = self.scheduler.decoding()
+        launched = self.runner.launch_s
         step = self.runner.decode(slots)
+        self.stats.launch_s += self.runner.launch_s - launched
         self.scheduler.advance(slots)
         self.stats.lap("step", at)
         return first, step
@@ -491,6 +493,8 @@ class StepStats:
         # queued (with `decoding` and `advance`), and stop checks with the codec's hand-off (less
         # the wait for the GPU's frames, `gpu_wait_s`).
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)
+        # Of the step phase, the decode step's launch: its graph's replay (or the eager step).
+        self.launch_s = 0.0
 
     @staticmethod
     def clocks() -> tuple[float, float]:
@@ -522,4 +526,4 @@ class StepStats:
         phases = dict(self.phase_s, update=self.phase_s["update"] - self.gpu_wait_s)
         return {"steps": self.steps, "iterations": self.iterations, "wall_s": self.wall_s, "wait_s": self.wait_s,
                 "host_s": self.wall_s - self.wait_s, "host_cpu_s": self.cpu_s - self.wait_cpu_s,
-                "phases_s": phases}
+                "phases_s": phases, "launch_s": self.launch_s}

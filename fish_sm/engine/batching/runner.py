@@ -105,6 +105,7 @@ class ModelRunner:
         # fit it badly (`_want`): captured next, between two steps.
         self.wanted: int | None = None
         self.steps = 0
+        self.launch_s = 0.0  # host seconds queuing decode steps' GPU work (a graph's replay, or the eager step's ops)
 
     def _fit_slots(self, max_batch: int, memory_fraction: float, prefix_cache: int,
                    codec_bytes: Callable[[], int], codec_slot_bytes: int) -> int:
@@ -441,10 +442,13 @@ class ModelRunner:
         bucket = attention_bucket(self.max_seq_len, int(ints[2, :n].max()) + 1)
         if self.captured is None:
             ints, floats = self.staging.copy(ints, floats)
+            began = time.perf_counter()
             out = decode_slots(self.model, self.state, ints, floats, self.model.positions[:bucket])
         else:
             self.staging.write(self.captured.step_buffer, [(0, ints), (step_layout(batch)[0], floats)])
+            began = time.perf_counter()
             out = self.captured.replay(batch, bucket, adapters=bool(ints[4, :n].any()))
+        self.launch_s += time.perf_counter() - began
         return StepRows(slots, t.generation[slots], t.chunk[slots], index + 1, host_frames(out[:n]))
 
     def _row_inputs(self, slots: np.ndarray, batch: int, n_ints: int) -> tuple[np.ndarray, np.ndarray]:
