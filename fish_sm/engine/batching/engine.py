@@ -84,7 +84,7 @@ class BatchEngine:
         self._running = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what stopped the engine thread, if it failed
-        self.stats = StepStats()
+        self.stats = StepStats(launched=lambda: self.runner.launch_s)
         # The decode loop's CUDA stream, of high priority: the codec's large kernels (on a
         # stream of their own) would otherwise hold the SMs that each of a decode step's ~1,100
         # small kernels waits for, stretching every stream's frames.
@@ -378,9 +378,7 @@ class BatchEngine:
         first = self._start_chunks(schedule.starting)
         at = self.stats.lap("prefill", at)
         slots = self.scheduler.decoding()
-        launched = self.runner.launch_s
         step = self.runner.decode(slots)
-        self.stats.launch_s += self.runner.launch_s - launched
         self.scheduler.advance(slots)
         self.stats.lap("step", at)
         return first, step
@@ -484,7 +482,7 @@ class StepStats:
 
     PHASES = ("schedule", "admit", "prefill", "step", "update")
 
-    def __init__(self):
+    def __init__(self, launched: Callable[[], float] = lambda: 0.0):
         self.steps = 0
         self.iterations = 0
         self.wall_s = self.wait_s = self.cpu_s = self.wait_cpu_s = self.gpu_wait_s = 0.0
@@ -493,8 +491,9 @@ class StepStats:
         # queued (with `decoding` and `advance`), and stop checks with the codec's hand-off (less
         # the wait for the GPU's frames, `gpu_wait_s`).
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)
-        # Of the step phase, the decode step's launch: its graph's replay (or the eager step).
-        self.launch_s = 0.0
+        # Of the step phase, the decode step's launch (its graph's replay, or the eager step):
+        # the runner's count, read when a snapshot is taken.
+        self.launched = launched
 
     @staticmethod
     def clocks() -> tuple[float, float]:
@@ -526,4 +525,4 @@ class StepStats:
         phases = dict(self.phase_s, update=self.phase_s["update"] - self.gpu_wait_s)
         return {"steps": self.steps, "iterations": self.iterations, "wall_s": self.wall_s, "wait_s": self.wait_s,
                 "host_s": self.wall_s - self.wait_s, "host_cpu_s": self.cpu_s - self.wait_cpu_s,
-                "phases_s": phases, "launch_s": self.launch_s}
+                "phases_s": phases, "launch_s": self.launched()}
