@@ -5,7 +5,8 @@ benchmarks/engine.py runs them) is run up to three times on one compiled engine 
 1. plain: frames/s (text to last audio, decode span, steady window), first audio, the wall
    time per decode step, and the engine thread's host time per step: its iterations' wall time
    less their waits for the GPU's frames and for work, and the part of it that was the thread's
-   own CPU time (the rest: waiting for the GIL) (`BatchEngine.stats`, always counted);
+   own CPU time (the rest: waiting for the GIL) (`BatchEngine.stats`, always counted), and the
+   codec thread's CPU time per step;
 2. cuda: the same with a CUDA profile (torch.profiler) and no Python hook: each CUDA stream's
    GPU time (kernels, busy time as the union of its kernels' intervals, the kernels that took
    most of it), the decode stream's busy time per step (the stream that ran the decode step's
@@ -254,9 +255,12 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
         elif run != "plain" and torch.cuda.is_available():
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
+        codec_cpu = thread_cpu_clock(batcher._codec._thread)
         before, prefills = batcher.stats.snapshot(), collections.Counter(batcher.runner.prefills)
+        codec_cpu_before = codec_cpu()
         level = batching_level(batcher, n, frames, True, rounds)
         after = batcher.stats.snapshot()
+        codec_cpu_s = codec_cpu() - codec_cpu_before
         if prof is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -275,6 +279,9 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
               "iteration_ms_per_step": per_step["wall_s"], "host_ms_per_step": per_step["host_s"],
               "host_cpu_ms_per_step": per_step["host_cpu_s"],
               "step_launch_ms_per_step": per_step["launch_s"],
+              # The codec thread's CPU time (its Python, its CUDA calls and any spin in its
+              # waits), the GIL's other taker beside the engine thread.
+              "codec_thread_cpu_ms_per_step": codec_cpu_s * 1e3 / max(steps, 1),
               "gpu_wait_ms_per_step": per_step["wait_s"],
               "host_ms_per_step_by_phase": {k: round((after["phases_s"][k] - before["phases_s"][k]) * 1e3 / max(steps, 1), 3)
                                             for k in after["phases_s"]},
@@ -294,6 +301,16 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
         if busy:
             record["gpu"]["iteration_over_busy"] = per_step["wall_s"] / busy
     return record
+
+
+def thread_cpu_clock(thread: threading.Thread):
+    """A function giving another thread's CPU seconds so far (Linux; NaN where the platform
+    has no per-thread CPU clocks)."""
+    try:
+        clock = time.pthread_getcpuclockid(thread.ident)
+    except (AttributeError, OSError):
+        return lambda: float("nan")
+    return lambda: time.clock_gettime(clock)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -316,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = [int(r) for r in a.rounds.split(",")]
     device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     codes, missing = timed_code()
+    os.makedirs(a.out, exist_ok=True)
     out = {"environment": environment(), "frames": a.frames, "max_seq_len": a.max_seq_len, "missing_calls": missing,
            "modes": {}}
     if missing:

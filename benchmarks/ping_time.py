@@ -12,9 +12,12 @@ slots and graphs, the first request's status and first audio); DIR/ping_time.jso
 
 `--steady LEVELS`: after the first request, each packaged start also waits until its server
 logs every graph captured (the decode steps' and the codec's: `FISH_SM_CAPTURE=early` captures
-them while serving), then runs `fish-sm bench --stream` at those concurrencies; and the package
-is started once more with `FISH_SM_CAPTURE=all` (every graph before `/ping`) for the same bench:
-the speed after a fast start against a slow one.
+them while serving), then runs `fish-sm bench --stream` at each of those concurrencies (a level
+of N streams sends max(N, --steady-requests) requests); and the package is started once more
+with `FISH_SM_CAPTURE=all` (every graph before `/ping`) for the same bench: the speed after a
+fast start against a slow one. Those servers run with pacing off (`FISH_SM_STREAM_HORIZON_S=0`):
+paced, a stream is made at real time once its listener has two seconds buffered, and the bench
+would time playback, not the server.
 """
 
 from __future__ import annotations
@@ -51,14 +54,20 @@ def all_captured(log_path: Path, proc: subprocess.Popen, t0: float, timeout_s: f
 
 
 def steady(url: str, levels: str, requests: int, max_new_tokens: int, out: Path) -> list[dict]:
-    """`fish-sm bench --stream` against the server: each level's audio seconds a second and first audio."""
-    subprocess.run([sys.executable, "-m", "fish_sm.cli", "bench", "--url", url, "--stream", "--concurrency", levels,
-                    "--requests", str(requests), "--max-new-tokens", str(max_new_tokens), "--seed", "1", "-o", str(out)],
-                   check=True, stdout=subprocess.DEVNULL)
-    report = json.loads((out / "bench.json").read_text())
-    return [{"concurrency": lv["concurrency"], "audio_s_per_s": round(lv["audio_seconds_per_wall_second"], 2),
-             "first_audio_ms_p50": lv["first_audio_ms"]["p50"], "error_rate": lv["error_rate"]}
-            for lv in report["levels"]]
+    """`fish-sm bench --stream` against the server, a level at a time (max(level, `requests`)
+    requests each): each level's audio seconds a second and first audio."""
+    results = []
+    for level in (int(n) for n in levels.split(",")):
+        level_out = out / f"level-{level}"
+        subprocess.run([sys.executable, "-m", "fish_sm.cli", "bench", "--url", url, "--stream", "--concurrency",
+                        str(level), "--requests", str(max(level, requests)), "--max-new-tokens", str(max_new_tokens),
+                        "--seed", "1", "-o", str(level_out)], check=True, stdout=subprocess.DEVNULL)
+        report = json.loads((level_out / "bench.json").read_text())
+        results += [{"concurrency": lv["concurrency"], "requests": lv["requests"],
+                     "audio_s_per_s": round(lv["audio_seconds_per_wall_second"], 2),
+                     "first_audio_ms_p50": lv["first_audio_ms"]["p50"], "error_rate": lv["error_rate"]}
+                    for lv in report["levels"]]
+    return results
 
 
 def start(model: Path, cache_dir: Path, port: int, log_path: Path, bench: dict | None = None,
@@ -66,6 +75,8 @@ def start(model: Path, cache_dir: Path, port: int, log_path: Path, bench: dict |
     """Start `fish-sm serve MODEL`, wait for a healthy /ping, send one streamed request; with
     `bench` (`steady`'s arguments but the URL), wait for every graph, then bench it; stop it."""
     env = {**os.environ, "FISH_SM_CACHE_DIR": str(cache_dir)}
+    if bench is not None:  # the server's speed, not the listeners' playback (see the module's doc)
+        env["FISH_SM_STREAM_HORIZON_S"] = "0"
     if capture:
         env["FISH_SM_CAPTURE"] = capture
     result: dict = {}
@@ -117,7 +128,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--steady", metavar="LEVELS", help="concurrencies to bench once every graph is captured, "
                     "and against a start that captures them all first (FISH_SM_CAPTURE=all), e.g. 1,256")
-    ap.add_argument("--steady-requests", type=int, default=256, help="requests per --steady level")
+    ap.add_argument("--steady-requests", type=int, default=32,
+                    help="requests per --steady level, at least the level's concurrency")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="frames per --steady request")
     args = ap.parse_args()
     work = args.work

@@ -42,7 +42,7 @@ MEASURED_STARTS: dict[str, MeasuredStart] = {
         command="FISH_SM_MAX_SEQ_LEN=2048 python benchmarks/ping_time.py s1-mini [--cache DIR]",
         source='docs/benchmarks.md "Issue 35"'),
     "H200": MeasuredStart(
-        cold_s=119.6, cached_s=44.1, device="nvidia-h200 (one H200)", date="2026-11-29",
+        cold_s=110.4, cached_s=44.1, device="nvidia-h200 (one H200)", date="2026-11-29",
         command="FISH_SM_BENCHMARK_LENGTHS=true FISH_SM_MAX_SEQ_LEN=2048 python benchmarks/ping_time.py s1-mini",
         source='docs/benchmarks.md "Issue 44"'),
 }

@@ -22,8 +22,8 @@ H100_CACHE = {"torch": "2.11.0+cu130", "device_type": "cuda", "gpu_arch": "sm_90
 
 def test_the_start_up_timeout_follows_the_measured_start():
     h100, h200 = MEASURED_STARTS["H100"], MEASURED_STARTS["H200"]
-    assert (h100.cold_s, h100.cached_s, h200.cold_s, h200.cached_s) == (219.3, 98.2, 119.6, 44.1)
-    assert startup_timeout("H200", cached=False)[0] == 360  # 2 x 119.6 + 120 = 359.2, up to 10 s
+    assert (h100.cold_s, h100.cached_s, h200.cold_s, h200.cached_s) == (219.3, 98.2, 110.4, 44.1)
+    assert startup_timeout("H200", cached=False)[0] == 350  # 2 x 110.4 + 120 = 340.8, up to 10 s
     assert startup_timeout("h100", cached=True)[0] == 320  # 2 x 98.2 + 120
     assert startup_timeout("H100", cached=False)[0] == 560
     value, why = startup_timeout("H200", cached=True)
@@ -32,7 +32,7 @@ def test_the_start_up_timeout_follows_the_measured_start():
     no_cache = dataclasses.replace(MEASURED_STARTS["H200"], cached_s=None)  # none measured with a cache: the cold one
     with mock.patch.dict(MEASURED_STARTS, {"H200": no_cache}):
         assert startup_timeout("H200", cached=True) == (
-            360, "2 x the 119.6 s a H200 start took cold (nvidia-h200 (one H200), 2026-11-29) + 120 s")
+            350, "2 x the 110.4 s a H200 start took cold (nvidia-h200 (one H200), 2026-11-29) + 120 s")
     assert startup_timeout("A10G", cached=True) == (1800, "no start measured on A10G (benchmarks/ping_time.py measures one)")
     assert startup_timeout(None, cached=False) == (1800, "the GPU model is unknown (benchmarks/ping_time.py measures one)")
     assert startup_timeout("H100", cached=True, stock_container=True) == (1800, "the stock container's start is not measured")
@@ -58,8 +58,8 @@ def test_the_download_timeout_follows_the_package_s_size():
     ("p5.48xlarge", "H100", H100_CACHE, {}, 320,
      "timeouts: start-up 320 s (2 x the 98.2 s a H100 start took with its compile cache (nvidia-h100-x1, 2026-11-26) "
      "+ 120 s); download 130 s (0.00 GB at 25 MB/s, x 2 + 120 s)"),
-    ("p5en.48xlarge", "H200", H100_CACHE, {}, 360,  # the H100's cache is compiled afresh on an H200
-     "timeouts: start-up 360 s (2 x the 119.6 s a H200 start took cold (nvidia-h200 (one H200), 2026-11-29) + 120 s); "
+    ("p5en.48xlarge", "H200", H100_CACHE, {}, 350,  # the H100's cache is compiled afresh on an H200
+     "timeouts: start-up 350 s (2 x the 110.4 s a H200 start took cold (nvidia-h200 (one H200), 2026-11-29) + 120 s); "
      "download 130 s (0.00 GB at 25 MB/s, x 2 + 120 s)"),
     ("g5.xlarge", "A10G", None, {}, 1800,
      "timeouts: start-up 1800 s (no start measured on A10G (benchmarks/ping_time.py measures one)); "
