@@ -34,21 +34,19 @@ PHASES = ("jit-cold", "jit-warm", "save", "load", "load-empty")
 
 
 def served_back(checkpoint: str):
-    """The codec's back as `StreamingCodec` builds it (on CUDA: channels-last, float16), not
-    compiled, with the batch shapes `StreamingCodec.working_bytes` runs first (the largest
-    piece at its rows, then the first piece at its rows)."""
+    """The codec's back as `StreamingCodec` builds it (its dtype and layout: on CUDA float16,
+    channels-last), and the batch shapes `StreamingCodec.working_bytes` runs first: the largest
+    piece at its rows, then the first piece at its rows (on a CPU, two rows each)."""
     import torch
 
-    from fish_sm.engine.codec_stream import ConvBack, StreamingCodec
+    from fish_sm.engine.codec_stream import StreamingCodec
     from fish_sm.model.codec import load_codec
 
     cuda = torch.cuda.is_available()
     codec = load_codec(Path(checkpoint) / "codec.pth", device="cuda" if cuda else "cpu")
-    schedule = StreamingCodec(codec, 4, 64)
-    rows = {n: schedule.rows_for(n) if cuda else 2 for n in (schedule.schedule.largest, schedule.schedule.first)}
-    back = ConvBack(codec, compiled=False, channels_last=cuda, dtype=torch.float16 if cuda else None)
-    del schedule
-    return back, rows
+    pieces = StreamingCodec(codec, 4, 64)
+    rows = {n: pieces.rows_for(n) if cuda else 2 for n in (pieces.schedule.largest, pieces.schedule.first)}
+    return pieces.back, rows
 
 
 def inputs(back, rows: int, frames: int, seed: int, mark: str | None = "maybe"):

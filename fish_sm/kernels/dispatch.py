@@ -44,10 +44,11 @@ def install(model: DualARTransformer, mode: str = EAGER, rows: bool | None = Non
     steps of one row on the row-product kernels instead, nothing compiled for them (None:
     where `uses_row_products`); INT8 weights are then read by those kernels, not torchao's.
     Steps of several rows run wo and w2 as `split_products` kernels where their weights are
-    plain (not torchao's INT8) and the rows few (`split_products.MOST_SPLIT_ROWS`). BATCHING also compiles the slow layers for prompts of any
-    batch and length: the admissions, which otherwise launch ~2,700 kernels one by one from
-    Python while every active stream waits. `prefetch_ahead`: see `PREFETCH_AHEAD`;
-    `compile_options`: keyword arguments of every `compile_decode` call (its inductor options)."""
+    plain (not torchao's INT8) and the rows few (`split_products.MOST_SPLIT_ROWS`). BATCHING
+    also compiles the slow layers for prompts of any batch and length: the admissions, which
+    otherwise launch ~2,700 kernels one by one from Python while every active stream waits.
+    `prefetch_ahead`: see `PREFETCH_AHEAD`; `compile_options`: keyword arguments of every
+    `compile_decode` call (its inductor options)."""
     device = model.norm.weight.device
     if mode == EAGER:
         _replace_blocks(model, lambda block, slow: KernelBlock(block))
