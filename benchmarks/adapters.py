@@ -79,6 +79,14 @@ def allocated(device: str) -> int:
     return torch.cuda.memory_allocated() if device == "cuda" else 0
 
 
+def save(out: dict, directory: str) -> str:
+    """Write what is measured so far (a call cut short keeps it); returns it as text."""
+    text = json.dumps(out, indent=1)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / "adapters.json").write_text(text)
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
@@ -111,6 +119,7 @@ def main() -> None:
         for s in levels:
             out["levels"][s]["plain_frames_per_s"] = round(throughput(plain, [None] * s, args.frames), 1)
         out["plain_one_stream_frames_per_s"] = round(throughput(plain, [None], args.frames), 1)
+    save(out, args.out)
     config = plain.engine.config
     del plain
     gc.collect()
@@ -159,7 +168,11 @@ def main() -> None:
             level["adapters_frames_per_s"] = round(throughput(batcher, mixed, args.frames), 1)
             level["ratio_adapters_vs_plain"] = round(level["adapters_frames_per_s"] / level["plain_frames_per_s"], 3)
             level["ratio_no_adapter_vs_plain"] = round(level["no_adapter_frames_per_s"] / level["plain_frames_per_s"], 3)
+            save(out, args.out)
         out["one_stream_with_adapter_frames_per_s"] = round(throughput(batcher, names[:1], args.frames), 1)
+        out["ratio_one_stream_adapter_vs_plain"] = round(out["one_stream_with_adapter_frames_per_s"]
+                                                         / out["plain_one_stream_frames_per_s"], 3)
+        save(out, args.out)
         # Every registered adapter served, a batch of streams at a time.
         t0 = time.perf_counter()
         for start in range(0, len(names), slots):
@@ -169,12 +182,7 @@ def main() -> None:
         out["registered"] = len(names)
         out["resident_after"] = len(stats["resident"])
         out["loads"] = stats["loads"]
-    out["ratio_one_stream_adapter_vs_plain"] = round(out["one_stream_with_adapter_frames_per_s"]
-                                                     / out["plain_one_stream_frames_per_s"], 3)
-    text = json.dumps(out, indent=1)
-    print(text)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "adapters.json").write_text(text)
+    print(save(out, args.out))
 
 
 if __name__ == "__main__":

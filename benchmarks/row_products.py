@@ -6,11 +6,13 @@ frame does, and the calls run back to back in a CUDA graph (with dependent launc
 GPU has it, as in a frame). CUDA only; no checkpoint (random weights of the real shapes).
 
     python benchmarks/row_products.py [--products "slow wqkv,slow wo,w13,w2,fast wqkv,fast wo"] [--kinds bf16,int8]
-        [--copies 16] [--out DIR]
+        [--copies 16] [--lora RANK] [--out DIR]
 
 Per product and weight kind, one line: the shipped config and its µs a call, the best of the
 grid and its µs, the weights' MB and the best config's bandwidth, and the shipped and best
-configs' largest difference from the kernel's torch reference; DIR/row_products.json
+configs' largest difference from the kernel's torch reference; with `--lora R`, each product
+with a rank-R adapter's part (a grid of larger programs, each with its rows in one half);
+DIR/row_products.json
 (DIR: --out, else $OUT, else .) has every config's time. A config that is fastest alone is
 not always fastest in a whole frame (docs/benchmarks.md, issue 5): the shipped configs were
 chosen in whole frames; try a change there (benchmarks/frame_timeline.py, benchmarks/engine.py).
@@ -35,12 +37,16 @@ PRODUCTS = [("slow wqkv", 4096, 1024, "NORM", False), ("slow wo", 1024, 2048, "P
             ("w13", 6144, 1024, "NORM", False), ("w2", 1024, 3072, "SWIGLU", True),
             ("fast wqkv", 2048, 1024, "NORM", False), ("fast wo", 1024, 1024, "PLAIN", True)]
 GRID = [(n, k, w) for n in (2, 4, 8, 16) for k in (512, 1024, 2048, 4096) for w in (2, 4, 8)]
+# With an adapter's part: more rows a program (each repeats the shrink over all of A's rows).
+LORA_GRID = [(n, k, w) for n in (2, 4, 8, 16, 32) for k in (512, 1024) for w in (4, 8)]
 EPS = 1e-6
 
 
-def launch(x, w, scale, norm, res, prologue: int, config: tuple[int, int, int]) -> torch.Tensor:
+def launch(x, w, scale, norm, res, prologue: int, config: tuple[int, int, int], lora: tuple | None = None
+           ) -> torch.Tensor:
     """`row_products.row_product`'s kernel launched with `config` (rows per program, inputs per
-    block, warps) instead of `launch_config`'s, no prefetch: as `row_products._launch` launches it."""
+    block, warps) instead of `launch_config`'s, no prefetch: as `row_products._launch` launches it;
+    with `lora` (A, B, slot ids, halves), the adapter's part added."""
     from fish_sm.kernels import row_products
     from fish_sm.kernels.launch import dependent_launch
 
@@ -49,16 +55,30 @@ def launch(x, w, scale, norm, res, prologue: int, config: tuple[int, int, int]) 
     flat = x.reshape(-1)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     pdl, options = dependent_launch(x.device)
+    la, lb, ids, parts = lora if lora is not None else (flat, flat, flat, 1)
+    rank = lb.shape[-1] if lora is not None else 1
     row_products._product[(-(-n // block_n),)](
         flat, norm if norm is not None else flat, w, scale if scale is not None else flat,
-        res.reshape(-1) if res is not None else flat, out, n, EPS, flat, 0, PREFETCH=False,
-        K=k, PROLOGUE=prologue, SCALED=scale is not None, RESIDUAL=res is not None,
+        res.reshape(-1) if res is not None else flat, out, n, EPS, flat, 0, la, lb, ids, n // parts, rank,
+        PREFETCH=False, K=k, PROLOGUE=prologue, SCALED=scale is not None, RESIDUAL=res is not None,
+        LORA=lora is not None, BLOCK_R=row_products.triton.next_power_of_2(rank),
         BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
     return out.view(*x.shape[:-1], n)
 
 
-def product(name: str, n: int, k: int, prologue_name: str, residual: bool, kind: str, copies: int) -> dict:
-    from fish_sm.kernels import row_products
+def adapter(n: int, k: int, rank: int, parts: int, g: torch.Generator) -> tuple:
+    """One adapter of `rank` in slot 1 of two (slot 0 zeros), as `AdapterSlots` stacks it, and
+    the row's slot: `launch`'s `lora`."""
+    a = torch.zeros(2, parts * rank, k)
+    b = torch.zeros(2, n, rank)
+    a[1], b[1] = torch.randn(parts * rank, k, generator=g) * 0.03, torch.randn(n, rank, generator=g) * 0.03
+    return (a.to("cuda", torch.bfloat16), b.to("cuda", torch.bfloat16), torch.ones(1, dtype=torch.long, device="cuda"),
+            parts)
+
+
+def product(name: str, n: int, k: int, prologue_name: str, residual: bool, kind: str, copies: int,
+            rank: int = 0) -> dict:
+    from fish_sm.kernels import lora_products, row_products
 
     prologue = getattr(row_products, prologue_name)
     g = torch.Generator().manual_seed(0)
@@ -74,22 +94,29 @@ def product(name: str, n: int, k: int, prologue_name: str, residual: bool, kind:
             sets.append((torch.round(w.float() / scale[:, None]).to(torch.int8), scale))
         else:
             sets.append((w, None))
-    expected = row_products.reference(x, *sets[0], norm, res, prologue, EPS).float()
-    shipped = row_products.launch_config(n, k, kind == "int8")
+    parts = 2 if name == "w13" else 1
+    lora = adapter(n, k, rank, parts, g) if rank else None
+    expected = row_products.reference(x, *sets[0], norm, res, prologue, EPS,
+                                      **(dict(zip(("lora_a", "lora_b", "lora_ids", "parts"), lora)) if lora else {})).float()
+    shipped = row_products.launch_config(n, k, kind == "int8", lora=(rank, parts) if rank else None)
     fits = [c for c in GRID if c[1] <= max(512, 1 << (k - 1).bit_length())]
+    if rank:  # a program's rows in one half; A's block of rows in registers (as `row_products._launch` keeps them)
+        most_k = max(32, lora_products.BLOCK_A // row_products.triton.next_power_of_2(rank))
+        fits = [c for c in LORA_GRID if (n // parts) % c[0] == 0 and c[1] <= most_k]
     times: dict[tuple, float | str] = {}
     for config in dict.fromkeys([shipped, *fits]):
         turn = iter(range(10**9))
         try:
-            times[config] = graphed_us(lambda c=config: launch(x, *sets[next(turn) % copies], norm, res, prologue, c))
+            times[config] = graphed_us(lambda c=config: launch(x, *sets[next(turn) % copies], norm, res, prologue, c,
+                                                               lora))
         except Exception as exc:  # a config that does not compile (registers, shared memory)
             times[config] = repr(exc)[:200]
     numeric = {c: t for c, t in times.items() if isinstance(t, float)}
     best = min(numeric, key=numeric.get)
-    error = {label: (launch(x, *sets[0], norm, res, prologue, config).float() - expected).abs().max().item()
+    error = {label: (launch(x, *sets[0], norm, res, prologue, config, lora).float() - expected).abs().max().item()
              for label, config in (("shipped", shipped), ("best", best))}
     megabytes = n * k * (1 if kind == "int8" else 2) / 1e6
-    return {"product": name, "kind": kind, "shape": [n, k], "shipped": str(shipped),
+    return {"product": name, "kind": kind, "lora_rank": rank, "shape": [n, k], "shipped": str(shipped),
             "shipped_us": numeric.get(shipped), "best": str(best), "best_us": numeric[best], "weight_mb": megabytes,
             "best_gb_per_s": megabytes / numeric[best] * 1e3, "max_abs_error": error,
             "all": {str(c): t for c, t in times.items()}}
@@ -101,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="comma-separated, of: " + ", ".join(name for name, *_ in PRODUCTS))
     p.add_argument("--kinds", default="bf16,int8", help="weights: bf16, int8")
     p.add_argument("--copies", type=int, default=16, help="copies of the weights the calls rotate through")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="with an adapter of this rank on the row (its part added in the kernel); 0: none")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where row_products.json goes")
     a = p.parse_args(argv)
     wanted = a.products.split(",")
@@ -114,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         if name not in wanted:
             continue
         for kind in a.kinds.split(","):
-            entry = product(name, n, k, prologue, residual, kind, a.copies)
+            entry = product(name, n, k, prologue, residual, kind, a.copies, a.lora)
             out["products"].append(entry)
             print(json.dumps({key: v for key, v in entry.items() if key != "all"}), flush=True)
             with open(os.path.join(a.out, "row_products.json"), "w") as f:

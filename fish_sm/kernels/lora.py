@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from fish_sm.errors import AdapterError
-from fish_sm.kernels.lora_products import lora_delta, lora_lookup
+from fish_sm.kernels import split_products
+from fish_sm.kernels.lora_products import beside_usable, lora_delta, lora_lookup, product_and_delta
 from fish_sm.model.dual_ar import DualARTransformer
 from fish_sm.model.lora import Adapter, is_embedding, targets
 
@@ -87,12 +88,29 @@ class LoraLinear(Adapted):
         slots, parts, out, rank = self.lora_b.shape
         return self.lora_b.view(slots, parts * out, rank)
 
+    def forward(self, x: Tensor) -> Tensor:
+        if self.adds and self.base.bias is None and beside_usable(x, self.base.weight):
+            y, delta = product_and_delta(x, self.base.weight, *self._adapters(x))
+            return y + delta
+        return super().forward(x)
+
     def delta(self, x: Tensor) -> Tensor:
         """The adapters' part of the output for x [B, ..., in], row b by adapter slot ids[b]."""
         rows = x.reshape(-1, x.shape[-1])
-        per_id = rows.shape[0] // max(x.shape[0], 1)
-        ids = self.ids[: x.shape[0]]
-        return lora_delta(rows, self.lora_a, self.stacked_b(), ids, per_id, self.parts).view(*x.shape[:-1], -1)
+        return lora_delta(rows, *self._adapters(x)).view(*x.shape[:-1], -1)
+
+    def _adapters(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, int, int]:
+        """A, B, the rows' slots, rows a slot and halves, as `lora_delta` takes them for x [B, ..., in]."""
+        per_id = x.numel() // x.shape[-1] // max(x.shape[0], 1)
+        return self.lora_a, self.stacked_b(), self.ids[: x.shape[0]], per_id, self.parts
+
+    def split(self, x: Tensor, res: Tensor, counts: Tensor) -> Tensor:
+        """res + this product of x through `split_products.split_product` (tile counters
+        `counts`), plus the adapters' part when added (beside it, as `forward` adds it)."""
+        if self.adds and beside_usable(x, self.base.weight):
+            y, delta = product_and_delta(x, self.base.weight, *self._adapters(x), res=res, counts=counts)
+            return y + delta
+        return with_delta(self, x, split_products.split_product(x, self.base.weight, res, counts))
 
 
 class LoraEmbedding(Adapted):

@@ -12,8 +12,14 @@ ops, so compiled layers and captured graphs call them as they are. The shrink su
 
 from __future__ import annotations
 
+import threading
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from fish_sm.kernels import split_products
 
 try:
     import triton
@@ -21,8 +27,8 @@ try:
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
-BLOCK_A = 8192  # the most elements of A a program loads at once (rank x inputs; here and in `row_products`)
-BLOCK_OUT = 256  # the expand's outputs per program (each program repeats its row's shrink)
+BLOCK_A = 8192  # the most elements of A (or B) a program holds at once (rank x inputs or outputs; here and in `row_products`)
+LOOKUP_BLOCK = 256  # a lookup's outputs per program (its A is R numbers a row: nothing repeated)
 
 
 def _kernels(x: Tensor) -> bool:
@@ -74,19 +80,40 @@ def _(index, a_t, b, ids, per_id):
     return b.new_empty(index.shape[0], b.shape[1])
 
 
-def launch_delta(x: Tensor, a: Tensor, b: Tensor, ids: Tensor, per_id: int, parts: int) -> Tensor:
-    """`lora_delta` as a kernel: a program a row, half and block of outputs."""
+# Programs a `_delta` call aims for at least: fewer, and the GPU's SMs wait on too few loads.
+DELTA_PROGRAMS = 128
+
+
+def delta_config(rows: int, per_part: int, parts: int, rank: int) -> tuple[int, int]:
+    """Outputs per program and warps for `_delta` over `rows` rows: each program repeats its
+    row's shrink (all of the row's A, up to 48 KB a row at S1-mini's shapes, from L2), so a
+    program takes as many outputs of its half as BLOCK_A elements of B allow, halved (to 256
+    at least) while that leaves fewer than DELTA_PROGRAMS programs: at 256 rows and 256 outputs
+    a program, the repeated reads were most of a step's adapter time; at 32 rows and 1,024
+    outputs a program, too few programs ran (benchmarks/lora_products.py)."""
+    block_r = triton.next_power_of_2(rank)
+    block_o = min(triton.next_power_of_2(per_part), max(64, BLOCK_A // block_r))
+    while block_o > 256 and rows * parts * triton.cdiv(per_part, block_o) < DELTA_PROGRAMS:
+        block_o //= 2
+    return block_o, 8
+
+
+def launch_delta(x: Tensor, a: Tensor, b: Tensor, ids: Tensor, per_id: int, parts: int,
+                 config: tuple[int, int] | None = None, out: Tensor | None = None) -> Tensor:
+    """`lora_delta` as a kernel: a program a row, half and block of outputs (`config`:
+    outputs per program and warps, else `delta_config`'s), into `out` if given."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     n, width = x.shape
-    slots, out, rank = b.shape
-    per_part = out // parts
-    y = torch.empty(n, out, dtype=b.dtype, device=x.device)
+    slots, outputs, rank = b.shape
+    per_part = outputs // parts
+    y = torch.empty(n, outputs, dtype=b.dtype, device=x.device) if out is None else out
     if n:
         block_r = triton.next_power_of_2(rank)
         block_i = min(triton.next_power_of_2(width), max(32, BLOCK_A // block_r))
-        grid = (n, parts, triton.cdiv(per_part, BLOCK_OUT))
-        _delta[grid](x, x.stride(0), a.contiguous(), b.contiguous(), ids, y, per_id, out, per_part, rank, IN=width,
-                     BLOCK_R=block_r, BLOCK_I=block_i, BLOCK_O=BLOCK_OUT)
+        block_o, warps = config or delta_config(n, per_part, parts, rank)
+        grid = (n, parts, triton.cdiv(per_part, block_o))
+        _delta[grid](x, x.stride(0), a.contiguous(), b.contiguous(), ids, y, per_id, outputs, per_part, rank, IN=width,
+                     BLOCK_R=block_r, BLOCK_I=block_i, BLOCK_O=block_o, num_warps=warps)
     return y
 
 
@@ -96,10 +123,62 @@ def launch_lookup(index: Tensor, a_t: Tensor, b: Tensor, ids: Tensor, per_id: in
     slots, out, rank = b.shape
     y = torch.empty(n, out, dtype=b.dtype, device=index.device)
     if n:
-        grid = (n, triton.cdiv(out, BLOCK_OUT))
+        grid = (n, triton.cdiv(out, LOOKUP_BLOCK))
         _lookup[grid](index.contiguous(), a_t.contiguous(), b.contiguous(), ids, y, per_id, a_t.shape[1], out, rank,
-                      BLOCK_O=BLOCK_OUT, BLOCK_R=triton.next_power_of_2(rank))
+                      BLOCK_O=LOOKUP_BLOCK, BLOCK_R=triton.next_power_of_2(rank))
     return y
+
+
+def beside_usable(x: Tensor, w: Tensor) -> bool:
+    """`product_and_delta` runs its two parts side by side on this input and weight: CUDA with
+    Triton, a plain weight (torchao's INT8 weights keep their own product)."""
+    return _kernels(x) and type(w) in (torch.nn.Parameter, Tensor)
+
+
+_streams = threading.local()  # each thread's side stream by device: a thread's graphs fork onto its own
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    streams = getattr(_streams, "by_device", None)
+    if streams is None:
+        streams = _streams.by_device = {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in streams:  # high priority, as the decode loop's own stream (the codec's kernels yield to both)
+        streams[index] = torch.cuda.Stream(device, priority=-1)
+    return streams[index]
+
+
+@torch.library.custom_op("fish_sm::product_and_delta", mutates_args=())
+def product_and_delta(x: Tensor, w: Tensor, a: Tensor, b: Tensor, ids: Tensor, per_id: int, parts: int,
+                      res: Optional[Tensor] = None, counts: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """A product of x [B, ..., in] by w [out, in]ᵀ and the adapters' part of it, ([B, ..., out],
+    [B, ..., out]): the product as the model makes it (`res` + the product through
+    `split_products.split_product` when `res` is given, its tile counters `counts`), the part
+    as `lora_delta` makes it, for row b by adapter slot ids[b], per_id rows of x a slot. On
+    CUDA the part's kernel runs on a side stream beside the product (both read only x; a few
+    rows' product leaves most of the GPU idle), joined before either is returned; inside a
+    captured graph that is a branch of it. Elsewhere one after the other."""
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    if not beside_usable(x, w):
+        delta = lora_delta(rows, a, b, ids, per_id, parts)
+    else:  # every tensor the side stream touches is made on this one, before it forks
+        delta = torch.empty(rows.shape[0], b.shape[1], dtype=b.dtype, device=x.device)
+        a, b = a.contiguous(), b.contiguous()
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            launch_delta(rows, a, b, ids, per_id, parts, out=delta)
+    y = F.linear(x, w) if res is None else split_products.split_product(x, w, res, counts)
+    if beside_usable(x, w):
+        main.wait_stream(side)
+    return y, delta.view(*x.shape[:-1], b.shape[1])
+
+
+@product_and_delta.register_fake
+def _(x, w, a, b, ids, per_id, parts, res=None, counts=None):
+    shape = (*x.shape[:-1], w.shape[0])
+    return x.new_empty(shape), x.new_empty(shape, dtype=b.dtype)
 
 
 if triton is not None:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from fish_sm.kernels import decode_attention, row_products, split_products
-from fish_sm.kernels.lora import Adapted, with_delta
+from fish_sm.kernels.lora import Adapted, LoraLinear
 from fish_sm.model.dual_ar import Attention, DualARTransformer, TransformerBlock
 from fish_sm.model.layers import RMSNorm
 
@@ -36,6 +36,14 @@ def adapted_product(owner: nn.Module, name: str, module: nn.Module, x: Tensor, n
                                     None if norm is None else norm.weight, res, prologue,
                                     0.0 if norm is None else norm.eps, getattr(owner, "rows_ahead", {}).get(name),
                                     **lora)
+
+
+def split_product(module: nn.Module, x: Tensor, res: Tensor, counts: Tensor) -> Tensor:
+    """res + `module`'s product of x as a `split_products` kernel (tile counters `counts`),
+    plus the adapters' part when `module` carries adapters that are added."""
+    if isinstance(module, LoraLinear):
+        return module.split(x, res, counts)
+    return split_products.split_product(x, module.weight, res, counts)
 
 
 def attach_rows(owner: nn.Module, name: str, linear: nn.Linear) -> None:
@@ -153,11 +161,9 @@ class KernelBlock(TransformerBlock):
     def _post_attention_split(self, x: Tensor, y: Tensor) -> Tensor:
         """`_post_attention` of a step of several rows, wo and w2 with their residual adds as
         `split_products` kernels (the same arithmetic)."""
-        h = with_delta(self.attention.wo, y, split_products.split_product(y, self.attention.wo.weight, x,
-                                                                          self.split_counts))
+        h = split_product(self.attention.wo, y, x, self.split_counts)
         gated = self.feed_forward.gated(self.ffn_norm(h))
-        return with_delta(self.feed_forward.w2, gated,
-                          split_products.split_product(gated, self.feed_forward.w2.weight, h, self.split_counts))
+        return split_product(self.feed_forward.w2, gated, h, self.split_counts)
 
     def _decode_row(self, x: Tensor, rope: Tensor, input_pos: Tensor, live: int, mask: Tensor | None,
                     cache_only: bool = False, rows: Tensor | None = None) -> Tensor:

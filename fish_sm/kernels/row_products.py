@@ -57,9 +57,16 @@ LAUNCH_CONFIGS = MappingProxyType({
 })
 
 
-def launch_config(n: int, k: int, int8: bool, configs=LAUNCH_CONFIGS) -> tuple[int, int, int]:
-    """Rows per program, inputs per block, warps for an [N, K] product."""
-    return configs.get((n, k, int8), (4, min(triton.next_power_of_2(k), 1024), 4))
+def launch_config(n: int, k: int, int8: bool, configs=LAUNCH_CONFIGS,
+                  lora: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """Rows per program, inputs per block, warps for an [N, K] product; `lora` (rank, halves):
+    with an adapter's part (a program's rows in one half, A's block of rows in registers)."""
+    if lora is None:
+        return configs.get((n, k, int8), (4, min(triton.next_power_of_2(k), 1024), 4))
+    rank, parts = lora
+    block_n, block_k, warps = launch_config(n, k, int8, configs)
+    block_r = triton.next_power_of_2(rank)
+    return math.gcd(block_n, n // parts), min(block_k, max(32, lora_products.BLOCK_A // block_r)), warps
 
 
 def product_weights(linear: torch.nn.Linear) -> tuple[Tensor, Optional[Tensor]]:
@@ -131,13 +138,10 @@ def _launch(x, w, scale, norm, res, prologue, eps, ahead=None, lora_a=None, lora
     n, k = w.shape
     flat = x.reshape(-1)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = launch_config(n, k, scale is not None)
     lora = lora_a is not None
     rank = lora_b.shape[-1] if lora else 1
     block_r = triton.next_power_of_2(rank)
-    if lora:  # a program's rows lie in one half (w13's w1 or w3 part); A's block of rows fits in registers
-        block_n = math.gcd(block_n, n // parts)
-        block_k = min(block_k, max(32, lora_products.BLOCK_A // block_r))
+    block_n, block_k, warps = launch_config(n, k, scale is not None, lora=(rank, parts) if lora else None)
     programs = triton.cdiv(n, block_n)
     pdl, options = dependent_launch(x.device)
     bulk = ahead is not None and _bulk_prefetchable(ahead, programs)

@@ -140,6 +140,7 @@ def merged_checkpoint(tiny_checkpoint, adapter, out):
     return out
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_the_gpu_unmerged_rows_equal_merged_models_and_graphs_read_each_rows_adapter(tiny_checkpoint, adapters,
                                                                                         tmp_path):

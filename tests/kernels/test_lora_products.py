@@ -113,3 +113,58 @@ def test_a_graph_of_the_kernels_replays_a_new_mix_of_slots_bit_for_bit():
     graph.replay()
     assert torch.equal(y, lora_delta(x, a, b, ids, 1, 2))
     assert not y[ids == 0].any()
+
+
+@pytest.mark.parametrize("with_res", [False, True])
+def test_a_product_and_its_delta_are_the_product_and_lora_delta(with_res):
+    """`product_and_delta`: the model's product (with a residual: as `split_product` makes it)
+    and `lora_delta`'s part, per row's slot, for x of [B, S, in]."""
+    from fish_sm.kernels.lora_products import product_and_delta
+
+    g = torch.Generator().manual_seed(3)
+    a, b = _weights(5, 8, 2, 64, 2 * 48)
+    w = torch.randn(96, 64, generator=g)
+    x = torch.randn(4, 3, 64, generator=g)
+    ids = torch.tensor([2, 0, 5, 2])
+    res = torch.randn(4, 3, 96, generator=g) if with_res else None
+    y, delta = product_and_delta(x, w, a, b, ids, 3, 2, res=res, counts=torch.zeros(8, dtype=torch.int32))
+    want = torch.nn.functional.linear(x, w) if res is None else res + torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    torch.testing.assert_close(delta, lora_delta(x.reshape(-1, 64), a, b, ids, 3, 2).view(4, 3, 96), rtol=0, atol=0)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 32, 256])
+def test_a_product_beside_its_delta_is_the_two_one_after_the_other_and_replays_bit_for_bit(rows):
+    """On CUDA the delta's kernel runs on a side stream beside the product: the same values as
+    the product then `lora_delta`, eagerly and replayed from a graph with a new mix of slots."""
+    from fish_sm.kernels import split_products
+    from fish_sm.kernels.lora_products import product_and_delta
+
+    a, b = _weights(6, 8, 1, 2048, 1024, torch.bfloat16, "cuda")
+    w = (torch.randn(1024, 2048, device="cuda") * 0.03).to(torch.bfloat16)
+    x = torch.randn(rows, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(rows, 1, 1024, device="cuda", dtype=torch.bfloat16)
+    counts = torch.zeros(split_products.COUNTERS, dtype=torch.int32, device="cuda")
+    ids = (torch.arange(rows, device="cuda") % 7)
+
+    def both():
+        return [product_and_delta(x, w, a, b, ids, 1, 1), product_and_delta(x, w, a, b, ids, 1, 1, res=res, counts=counts)]
+
+    def one_after_the_other():
+        delta = lora_delta(x.view(rows, -1), a, b, ids, 1, 1).view(rows, 1, -1)
+        return [(torch.nn.functional.linear(x, w), delta), (split_products.split_product(x, w, res, counts), delta)]
+
+    for got, want in zip(both(), one_after_the_other()):
+        for g, e in zip(got, want):
+            assert torch.equal(g, e)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = both()
+    ids.copy_(torch.arange(rows, device="cuda").flip(0) % 5)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, one_after_the_other()):
+        for g, e in zip(got, want):
+            assert torch.equal(g, e)
