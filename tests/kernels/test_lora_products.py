@@ -168,3 +168,23 @@ def test_a_product_beside_its_delta_is_the_two_one_after_the_other_and_replays_b
     for got, want in zip(captured, one_after_the_other()):
         for g, e in zip(got, want):
             assert torch.equal(g, e)
+
+
+def test_compiled_code_calls_the_product_and_its_delta_as_one_op():
+    """`product_and_delta` inside compiled layers (its fake implementation gives inductor the
+    shapes, for any batch): the same values as called eagerly."""
+    from fish_sm.kernels.lora_products import product_and_delta
+
+    a, b = _weights(3, 4, 1, 32, 24)
+    w = torch.randn(24, 32, generator=torch.Generator().manual_seed(4))
+
+    def layer(x, ids, res):
+        y, delta = product_and_delta(x, w, a, b, ids, x.shape[1], 1, res=res, counts=torch.zeros(8, dtype=torch.int32))
+        return torch.relu(y + delta)
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for batch in (2, 5):
+        x = torch.randn(batch, 3, 32, generator=torch.Generator().manual_seed(batch))
+        res = torch.randn(batch, 3, 24, generator=torch.Generator().manual_seed(10 + batch))
+        ids = torch.arange(batch) % 4
+        torch.testing.assert_close(compiled(x, ids, res), layer(x, ids, res), rtol=1e-5, atol=1e-5)
