@@ -160,17 +160,18 @@ def product_and_delta(x: Tensor, w: Tensor, a: Tensor, b: Tensor, ids: Tensor, p
     captured graph that is a branch of it. Elsewhere one after the other."""
     rows = x.reshape(-1, x.shape[-1])
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    if not beside_usable(x, w):
+    side = _side_stream(x.device) if beside_usable(x, w) else None
+    if side is None:
         delta = lora_delta(rows, a, b, ids, per_id, parts)
     else:  # every tensor the side stream touches is made on this one, before it forks
         delta = torch.empty(rows.shape[0], b.shape[1], dtype=b.dtype, device=x.device)
         a, b = a.contiguous(), b.contiguous()
-        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             launch_delta(rows, a, b, ids, per_id, parts, out=delta)
     y = F.linear(x, w) if res is None else split_products.split_product(x, w, res, counts)
-    if beside_usable(x, w):
+    if side is not None:
         main.wait_stream(side)
     return y, delta.view(*x.shape[:-1], b.shape[1])
 
