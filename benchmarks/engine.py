@@ -114,6 +114,31 @@ def graphed_us(fn, calls: int = 100, replays: int = 5) -> float:
     return (time.perf_counter() - t0) / (replays * calls) * 1e6
 
 
+def time_configs(shipped, grid, call: Callable) -> tuple[dict, dict, object]:
+    """A kernel's launch configs timed (`graphed_us`): the shipped one and each of `grid`, as
+    `call(config, i)` for the i-th call of a graph (to rotate through copies of its weights). A
+    config that does not compile (registers, shared memory) gets its error instead of a time.
+    Returns every config's result, those timed, and the fastest."""
+    times: dict = {}
+    for config in dict.fromkeys([shipped, *grid]):
+        turn = iter(range(10**9))
+        try:
+            times[config] = graphed_us(lambda c=config: call(c, next(turn)))
+        except Exception as exc:
+            times[config] = repr(exc)[:200]
+    timed = {c: t for c, t in times.items() if isinstance(t, float)}
+    return times, timed, min(timed, key=timed.get)
+
+
+def record(out: dict, entry: dict, path: str) -> None:
+    """One product's entry (`time_configs`'s): into out["products"], printed as a line without its
+    every-config times ("all"), and the whole of `out` written to `path` (a call cut short keeps it)."""
+    out["products"].append(entry)
+    print(json.dumps({key: v for key, v in entry.items() if key != "all"}), flush=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def run_prefill(model, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The slow transformer over a whole prompt [1 + C, T] from position 0, in cache row 0,
     launched from Python: the head's logits and the fast transformer's input at its end."""

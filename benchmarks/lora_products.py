@@ -16,7 +16,6 @@ DIR/lora_products.json (DIR: --out, else $OUT, else .) has every config's time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks` run as a file
-from benchmarks.engine import environment, graphed_us  # noqa: E402
+from benchmarks.engine import environment, graphed_us, record, time_configs  # noqa: E402
 
 # (name, outputs, inputs, halves): the products an adapter adapts in a decode step (the heads
 # with the rows they keep at S1-mini's sizes).
@@ -52,19 +51,12 @@ def product(name: str, out: int, width: int, parts: int, rows: int, distinct: in
                                               weights[0][1], ids, 1, parts).float()
     shipped = lora_products.delta_config(rows, out // parts, parts, rank)
     block_r = 1 << (rank - 1).bit_length()
-    fits = [c for c in GRID if c[0] <= max(64, 1 << (out // parts - 1).bit_length()) and c[0] * block_r <= 16384]
+    fits = [c for c in GRID if c[0] <= max(64, 1 << (out // parts - 1).bit_length())
+            and c[0] * block_r <= 2 * lora_products.BLOCK_A]
     turn = iter(range(10**9))
     base_us = graphed_us(lambda: F.linear(x, weights[next(turn) % copies][2]))
-    times: dict[tuple, float | str] = {}
-    for config in dict.fromkeys([shipped, *fits]):
-        turn = iter(range(10**9))
-        try:
-            times[config] = graphed_us(lambda c=config: lora_products.launch_delta(
-                x, *weights[next(turn) % copies][:2], ids, 1, parts, config=c))
-        except Exception as exc:  # a config that does not compile (registers, shared memory)
-            times[config] = repr(exc)[:200]
-    numeric = {c: t for c, t in times.items() if isinstance(t, float)}
-    best = min(numeric, key=numeric.get)
+    times, numeric, best = time_configs(shipped, fits, lambda c, i: lora_products.launch_delta(
+        x, *weights[i % copies][:2], ids, 1, parts, config=c))
     error = (lora_products.launch_delta(x, *weights[0][:2], ids, 1, parts, config=shipped).float()
              - expected).abs().max().item()
     return {"product": name, "rows": rows, "distinct": distinct, "rank": rank, "shape": [out, width], "parts": parts,
@@ -92,11 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"environment": environment(), "copies": a.copies, "products": []}
     for n, d in zip(rows, distinct):
         for name, outputs, width, parts in PRODUCTS:
-            entry = product(name, outputs, width, parts, n, min(d, n), a.rank, a.slots, a.copies)
-            out["products"].append(entry)
-            print(json.dumps({key: v for key, v in entry.items() if key != "all"}), flush=True)
-            with open(os.path.join(a.out, "lora_products.json"), "w") as f:
-                json.dump(out, f, indent=1)
+            record(out, product(name, outputs, width, parts, n, min(d, n), a.rank, a.slots, a.copies),
+                   os.path.join(a.out, "lora_products.json"))
     return out
 
 

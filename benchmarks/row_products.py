@@ -21,7 +21,6 @@ chosen in whole frames; try a change there (benchmarks/frame_timeline.py, benchm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks` run as a file
-from benchmarks.engine import environment, graphed_us  # noqa: E402
+from benchmarks.engine import environment, record, time_configs  # noqa: E402
 
 # (name, N, K, prologue, residual): a slow layer's four products, then the fast layers' two
 # other shapes (their w13 and w2 are the slow layers').
@@ -78,7 +77,7 @@ def adapter(n: int, k: int, rank: int, parts: int, g: torch.Generator) -> tuple:
 
 def product(name: str, n: int, k: int, prologue_name: str, residual: bool, kind: str, copies: int,
             rank: int = 0) -> dict:
-    from fish_sm.kernels import lora_products, row_products
+    from fish_sm.kernels import row_products
 
     prologue = getattr(row_products, prologue_name)
     g = torch.Generator().manual_seed(0)
@@ -100,19 +99,10 @@ def product(name: str, n: int, k: int, prologue_name: str, residual: bool, kind:
                                       **(dict(zip(("lora_a", "lora_b", "lora_ids", "parts"), lora)) if lora else {})).float()
     shipped = row_products.launch_config(n, k, kind == "int8", lora=(rank, parts) if rank else None)
     fits = [c for c in GRID if c[1] <= max(512, 1 << (k - 1).bit_length())]
-    if rank:  # a program's rows in one half; A's block of rows in registers (as `row_products._launch` keeps them)
-        most_k = max(32, lora_products.BLOCK_A // row_products.triton.next_power_of_2(rank))
-        fits = [c for c in LORA_GRID if (n // parts) % c[0] == 0 and c[1] <= most_k]
-    times: dict[tuple, float | str] = {}
-    for config in dict.fromkeys([shipped, *fits]):
-        turn = iter(range(10**9))
-        try:
-            times[config] = graphed_us(lambda c=config: launch(x, *sets[next(turn) % copies], norm, res, prologue, c,
-                                                               lora))
-        except Exception as exc:  # a config that does not compile (registers, shared memory)
-            times[config] = repr(exc)[:200]
-    numeric = {c: t for c, t in times.items() if isinstance(t, float)}
-    best = min(numeric, key=numeric.get)
+    if rank:  # the configs the kernel takes with an adapter's part as they are
+        fits = [c for c in LORA_GRID if row_products.with_adapter(c, n, rank, parts) == c]
+    times, numeric, best = time_configs(shipped, fits, lambda c, i: launch(x, *sets[i % copies], norm, res,
+                                                                            prologue, c, lora))
     error = {label: (launch(x, *sets[0], norm, res, prologue, config, lora).float() - expected).abs().max().item()
              for label, config in (("shipped", shipped), ("best", best))}
     megabytes = n * k * (1 if kind == "int8" else 2) / 1e6
@@ -143,11 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
         if name not in wanted:
             continue
         for kind in a.kinds.split(","):
-            entry = product(name, n, k, prologue, residual, kind, a.copies, a.lora)
-            out["products"].append(entry)
-            print(json.dumps({key: v for key, v in entry.items() if key != "all"}), flush=True)
-            with open(os.path.join(a.out, "row_products.json"), "w") as f:
-                json.dump(out, f, indent=1)
+            record(out, product(name, n, k, prologue, residual, kind, a.copies, a.lora),
+                   os.path.join(a.out, "row_products.json"))
     return out
 
 

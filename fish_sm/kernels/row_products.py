@@ -63,8 +63,13 @@ def launch_config(n: int, k: int, int8: bool, configs=LAUNCH_CONFIGS,
     with an adapter's part (a program's rows in one half, A's block of rows in registers)."""
     if lora is None:
         return configs.get((n, k, int8), (4, min(triton.next_power_of_2(k), 1024), 4))
-    rank, parts = lora
-    block_n, block_k, warps = launch_config(n, k, int8, configs)
+    return with_adapter(launch_config(n, k, int8, configs), n, *lora)
+
+
+def with_adapter(config: tuple[int, int, int], n: int, rank: int, parts: int) -> tuple[int, int, int]:
+    """A launch config as the kernel takes it with an adapter's part of `rank` over `parts`
+    halves of the N outputs: a program's rows in one half, A's block of rows in registers."""
+    block_n, block_k, warps = config
     block_r = triton.next_power_of_2(rank)
     return math.gcd(block_n, n // parts), min(block_k, max(32, lora_products.BLOCK_A // block_r)), warps
 
