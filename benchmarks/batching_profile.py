@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
         engine = load(a.checkpoint, mode, device, a.max_seq_len)
         # Decode as fast as it can, every request to its full length (random weights' <|im_end|> ends none).
         batcher = BatchEngine(engine, max_batch=max(streams), max_queue=0, horizon_s=0, forced_lengths=True)
+        if batcher.slots < max(streams):  # before compiling: a level of more streams than slots is refused
+            sys.exit(f"{max(streams)} streams need as many slots; this GPU holds {batcher.slots} of "
+                     f"{a.max_seq_len} tokens: ask for fewer streams or a shorter --max-seq-len")
         t0 = time.perf_counter()
         batcher.compile(capture_all=True)
         records = out["modes"][mode] = {"slots": batcher.slots, "compile_s": time.perf_counter() - t0, "levels": []}

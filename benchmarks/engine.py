@@ -135,6 +135,7 @@ def record(out: dict, entry: dict, path: str) -> None:
     every-config times ("all"), and the whole of `out` written to `path` (a call cut short keeps it)."""
     out["products"].append(entry)
     print(json.dumps({key: v for key, v in entry.items() if key != "all"}), flush=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
 

@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--distinct {max(distinct)} is more than --slots {a.slots}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU with Triton (the kernel alone)")
-    os.makedirs(a.out, exist_ok=True)
     out = {"environment": environment(), "copies": a.copies, "products": []}
     for n, d in zip(rows, distinct):
         for name, outputs, width, parts in PRODUCTS:

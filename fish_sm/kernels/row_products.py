@@ -57,21 +57,36 @@ LAUNCH_CONFIGS = MappingProxyType({
 })
 
 
+# With an adapter's part (bf16 weights, by (N, K)): each program repeats the shrink over all of
+# A, so larger programs than without one are fastest (rank 8 on an H100,
+# `benchmarks/row_products.py --lora 8`); INT8 weights keep LAUNCH_CONFIGS.
+ADAPTER_CONFIGS = MappingProxyType({
+    (4096, 1024): (16, 1024, 4), (1024, 2048): (8, 1024, 8), (6144, 1024): (16, 512, 4),
+    (1024, 3072): (4, 1024, 8), (2048, 1024): (16, 1024, 4), (1024, 1024): (8, 1024, 8),
+})
+
+
 def launch_config(n: int, k: int, int8: bool, configs=LAUNCH_CONFIGS,
-                  lora: tuple[int, int] | None = None) -> tuple[int, int, int]:
+                  lora: tuple[int, int] | None = None, adapter_configs=ADAPTER_CONFIGS) -> tuple[int, int, int]:
     """Rows per program, inputs per block, warps for an [N, K] product; `lora` (rank, halves):
     with an adapter's part (a program's rows in one half, A's block of rows in registers)."""
     if lora is None:
-        return configs.get((n, k, int8), (4, min(triton.next_power_of_2(k), 1024), 4))
-    return with_adapter(launch_config(n, k, int8, configs), n, *lora)
+        return configs.get((n, k, int8), (4, min(_power_of_2(k), 1024), 4))
+    adapted = None if int8 else adapter_configs.get((n, k))
+    return with_adapter(adapted or launch_config(n, k, int8, configs), n, *lora)
 
 
 def with_adapter(config: tuple[int, int, int], n: int, rank: int, parts: int) -> tuple[int, int, int]:
     """A launch config as the kernel takes it with an adapter's part of `rank` over `parts`
     halves of the N outputs: a program's rows in one half, A's block of rows in registers."""
     block_n, block_k, warps = config
-    block_r = triton.next_power_of_2(rank)
+    block_r = _power_of_2(rank)
     return math.gcd(block_n, n // parts), min(block_k, max(32, lora_products.BLOCK_A // block_r)), warps
+
+
+def _power_of_2(n: int) -> int:
+    """The smallest power of 2 at least n (Triton's `next_power_of_2`, which the CPU lacks)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def product_weights(linear: torch.nn.Linear) -> tuple[Tensor, Optional[Tensor]]:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fish_sm.engine import Engine
-from fish_sm.kernels import SEQUENTIAL, AdapterSlots, decode_attention, install, row_products
+from fish_sm.kernels import SEQUENTIAL, AdapterSlots, decode_attention, install, lora_products, row_products
 from fish_sm.kernels.lora import LoraLinear
 from fish_sm.kernels.modules import KernelBlock
 from fish_sm.model.dual_ar import TransformerBlock
@@ -128,6 +128,22 @@ def test_kernel_matches_its_torch_arithmetic(n, k, prologue, residual, int8):
     # float32 sums in another order, each rounded to bf16 once: a unit in the last place at most
     assert got.shape == (1, 1, n)
     assert (got - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+
+
+def test_an_adapted_product_launches_the_config_measured_for_it():
+    """bf16 weights with an adapter launch the table's config (measured at rank 8: the adapter's
+    constraint leaves each as it is), larger programs than without one where that measured
+    faster; a larger rank takes fewer inputs a block, so A's block still fits; INT8 keeps the
+    configs without an adapter."""
+    for (n, k), config in row_products.ADAPTER_CONFIGS.items():
+        parts = 2 if n == 6144 else 1  # w13: w1's and w3's halves
+        assert row_products.launch_config(n, k, False, lora=(8, parts)) == config
+        assert (n // parts) % config[0] == 0
+        block_n, block_k, _ = row_products.launch_config(n, k, False, lora=(64, parts))
+        assert block_n == config[0] and block_k * 64 <= lora_products.BLOCK_A
+        plain = row_products.launch_config(n, k, True)
+        assert row_products.launch_config(n, k, True, lora=(8, parts)) == row_products.with_adapter(plain, n, 8, parts)
+    assert row_products.ADAPTER_CONFIGS[(6144, 1024)][0] > row_products.LAUNCH_CONFIGS[(6144, 1024, False)][0]
 
 
 def _adapter_weights(n: int, k: int, rank: int, parts: int, g: torch.Generator, slots: int = 3):
