@@ -5,8 +5,9 @@ benchmarks/engine.py runs them) is run up to three times on one compiled engine 
 1. plain: frames/s (text to last audio, decode span, steady window), first audio, the wall
    time per decode step, and the engine thread's host time per step: its iterations' wall time
    less their waits for the GPU's frames and for work, and the part of it that was the thread's
-   own CPU time (the rest: waiting for the GIL) (`BatchEngine.stats`, always counted), and the
-   codec thread's CPU time per step;
+   own CPU time (the rest: waiting for the GIL) (`BatchEngine.stats`, always counted), the CPU
+   its waits took (a driver spinning in them), and the codec thread's CPU time per step, split
+   into its waits for audio (`CodecWorker.audio_waits`) and its own work;
 2. cuda: the same with a CUDA profile (torch.profiler) and no Python hook: each CUDA stream's
    GPU time (kernels, busy time as the union of its kernels' intervals, the kernels that took
    most of it), the decode stream's busy time per step (the stream that ran the decode step's
@@ -255,19 +256,21 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
         elif run != "plain" and torch.cuda.is_available():
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
-        codec_cpu = thread_cpu_clock(batcher._codec._thread)
+        codec_cpu, codec_waits = thread_cpu_clock(batcher._codec._thread), batcher._codec.audio_waits
         before, prefills = batcher.stats.snapshot(), collections.Counter(batcher.runner.prefills)
-        codec_cpu_before = codec_cpu()
+        codec_before = codec_cpu(), codec_waits.wall_s, codec_waits.cpu_s
         level = batching_level(batcher, n, frames, True, rounds)
         after = batcher.stats.snapshot()
-        codec_cpu_s = codec_cpu() - codec_cpu_before
+        codec_cpu_s, codec_wait_s, codec_wait_cpu_s = (now - then for now, then in zip(
+            (codec_cpu(), codec_waits.wall_s, codec_waits.cpu_s), codec_before))
         if prof is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             prof.__exit__(None, None, None)
         threads = {batcher._thread.native_id: ENGINE_THREAD, batcher._codec._thread.native_id: CODEC_THREAD}
     steps = after["steps"] - before["steps"]
-    per_step = {k: (after[k] - before[k]) * 1e3 / max(steps, 1) for k in ("wall_s", "wait_s", "host_s", "host_cpu_s", "launch_s")}
+    per_step = {k: (after[k] - before[k]) * 1e3 / max(steps, 1)
+                for k in ("wall_s", "wait_s", "host_s", "host_cpu_s", "launch_s", "wait_cpu_s")}
     record = {"run": run, "streams": n, "rounds": rounds,
               "aggregate_frames_per_s": level["aggregate_frames_per_s"],
               "aggregate_decode_frames_per_s": level["aggregate_decode_frames_per_s"],
@@ -282,7 +285,14 @@ def run_level(batcher, n: int, frames: int, rounds: int, run: str, codes: dict) 
               # The codec thread's CPU time (its Python, its CUDA calls and any spin in its
               # waits), the GIL's other taker beside the engine thread.
               "codec_thread_cpu_ms_per_step": codec_cpu_s * 1e3 / max(steps, 1),
+              # Of it, its waits for its batches' audio (wall, and the CPU a spinning driver took
+              # in them), and its own work: the CPU outside those waits.
+              "codec_thread_wait_ms_per_step": codec_wait_s * 1e3 / max(steps, 1),
+              "codec_thread_wait_cpu_ms_per_step": codec_wait_cpu_s * 1e3 / max(steps, 1),
+              "codec_thread_work_cpu_ms_per_step": (codec_cpu_s - codec_wait_cpu_s) * 1e3 / max(steps, 1),
               "gpu_wait_ms_per_step": per_step["wait_s"],
+              # the engine thread's CPU in its waits (for frames, for work): a spinning driver's
+              "wait_cpu_ms_per_step": per_step["wait_cpu_s"],
               "host_ms_per_step_by_phase": {k: round((after["phases_s"][k] - before["phases_s"][k]) * 1e3 / max(steps, 1), 3)
                                             for k in after["phases_s"]},
               "rows_per_step": level["aggregate_decode_frames_per_s"] * level["decode_span_s"] / max(steps, 1)}

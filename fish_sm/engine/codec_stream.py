@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fish_sm.engine.generate import HostCopy, batch_sizes, to_device
+from fish_sm.engine.generate import HostCopy, WaitClock, batch_sizes, to_device
 from fish_sm.engine.pieces import PieceSchedule
 from fish_sm.errors import FishSMError
 from fish_sm.model.codec import Codec
@@ -368,11 +368,11 @@ class Pieces:
                 out[row] = audio[i : i + 1, :n]
         return out
 
-    def home(self) -> Iterator[tuple[np.ndarray, list[np.ndarray]]]:
+    def home(self, waits: WaitClock | None = None) -> Iterator[tuple[np.ndarray, list[np.ndarray]]]:
         """Each back batch's rows and their audio as float32 samples, in the order they ran, each
-        as soon as its copy is home (one copy a back batch)."""
+        as soon as its copy is home (one copy a back batch); `waits` counts the waits for them."""
         for (rows, audio, lengths), copy_ in zip(self.parts, self._copies):
-            block = (copy_ or HostCopy(audio)).get().numpy()
+            block = (copy_ or HostCopy(audio)).get(waits).numpy()
             yield rows, [block[i, :n].copy() for i, n in enumerate(lengths)]  # (the pinned block back at once)
 
     def host(self) -> list[np.ndarray]:

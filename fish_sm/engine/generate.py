@@ -13,6 +13,7 @@ or compiled with torch.compile.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import time
@@ -541,6 +542,23 @@ class HostStaging:
         self.copied[i].record()
 
 
+class WaitClock:
+    """Wall and CPU seconds one thread spent waiting for the GPU (`with clock:` around a wait):
+    the CPU is the driver spinning in the wait (a core kept busy), not the thread's own work."""
+
+    def __init__(self):
+        self.wall_s = self.cpu_s = 0.0
+        self._began = (0.0, 0.0)
+
+    def __enter__(self) -> "WaitClock":
+        self._began = time.perf_counter(), time.thread_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s += time.perf_counter() - self._began[0]
+        self.cpu_s += time.thread_time() - self._began[1]
+
+
 class HostCopy:
     """A tensor copied to the host without waiting for it (CUDA, into pinned memory): the
     host reads frame i (the stop check) while frame i+1 is already queued on the GPU; and
@@ -556,9 +574,11 @@ class HostCopy:
         else:
             self.value, self.event = tensor.clone(), None
 
-    def get(self) -> Tensor:
+    def get(self, waits: WaitClock | None = None) -> Tensor:
+        """The copy, once home; `waits` counts the wait for it."""
         if self.event is not None:
-            self.event.synchronize()
+            with waits or contextlib.nullcontext():
+                self.event.synchronize()
         return self.value
 
 

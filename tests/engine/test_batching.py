@@ -11,7 +11,7 @@ from fish_sm.engine import Engine
 from fish_sm.engine.batching import BatchEngine, CodecWorker, Job, Overloaded, Ticket, batch_sizes
 from fish_sm.engine.batching.codec_worker import CaptureLock
 from fish_sm.engine.batching.runner import ModelRunner
-from fish_sm.engine.generate import HostCopy, HostStaging, admission_shape, to_device
+from fish_sm.engine.generate import HostCopy, HostStaging, WaitClock, admission_shape, to_device
 from fish_sm.engine.sampling import SamplingParams
 from fish_sm.errors import InputError
 
@@ -684,6 +684,27 @@ def test_host_copies_both_ways_keep_values_and_use_pinned_memory(device):
     assert on.device.type == device and torch.equal(on.cpu(), x)
     assert torch.equal(back.get(), x * 2)
     assert back.get().is_pinned() == (device == "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_thread_s_waits_for_the_gpu_are_counted_apart_from_its_work(device):
+    """A `WaitClock` adds up the wall and CPU time of the waits it is held around (their CPU: a
+    driver spinning in them); `HostCopy.get` counts its wait on one, and on the CPU, where
+    there is nothing to wait for, counts none."""
+    clock = WaitClock()
+    with clock:
+        time.sleep(0.02)
+    assert clock.wall_s >= 0.02 and clock.cpu_s < clock.wall_s
+    with clock:  # a spin
+        began = time.thread_time()
+        while time.thread_time() - began < 0.01:
+            pass
+    assert 0.01 <= clock.cpu_s <= clock.wall_s
+    x = torch.arange(6, dtype=torch.float32, device=device)
+    waits = WaitClock()
+    assert torch.equal(HostCopy(x * 2).get(waits), torch.arange(6.0) * 2)
+    assert (waits.wall_s > 0) == (device == "cuda")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

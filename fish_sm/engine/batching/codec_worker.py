@@ -24,7 +24,7 @@ import torch
 
 from fish_sm.engine.codec_stream import PartlyRun, Pieces, StreamingCodec
 from fish_sm.engine.synthesis import Synthesis
-from fish_sm.engine.generate import to_device
+from fish_sm.engine.generate import WaitClock, to_device
 from fish_sm.engine.batching.request import EngineStopped, Ticket
 
 if TYPE_CHECKING:  # (the engine builds batching engines over itself: no import at run time)
@@ -143,6 +143,7 @@ class CodecWorker:
             raise ValueError(f"codec depth {depth}: at least 1")
         self.depth = depth
         self._flying: list[_Batch] = []
+        self.audio_waits = WaitClock()  # this thread's waits for its batches' audio to come home
         # auto: StreamingCodec's defaults (on a GPU, float16 throughout); float32: the codec's
         # own dtype throughout.
         if precision not in ("auto", "float32"):
@@ -447,7 +448,7 @@ class CodecWorker:
         unless a piece's stream was cut (a clear) or ended (a cancel, its lane maybe taken by
         another stream) meanwhile."""
         self._flying.remove(batch)
-        parts = [(range(len(batch.lanes)), batch.audio)] if batch.audio is not None else batch.pieces.home()
+        parts = [(range(len(batch.lanes)), batch.audio)] if batch.audio is not None else batch.pieces.home(self.audio_waits)
         s = self._state
         for rows, audio in parts:  # each back batch's pieces as soon as their audio is home
             for i, samples in zip(rows, audio):

@@ -478,7 +478,8 @@ class StepStats:
     """The engine thread's iterations: how many decoded, their wall time, and the part of it
     spent waiting (for the GPU's frames, or for work): the rest is host time. Of the host time,
     `cpu_s` is the thread's own CPU time (Python and launches); what is left is time it was ready
-    to run but did not (waiting for the GIL, which the codec thread shares)."""
+    to run but did not (waiting for the GIL, which the codec thread shares). The CPU its waits
+    took (`wait_cpu_s`) is the driver spinning in them: a core kept busy, not host work."""
 
     PHASES = ("schedule", "admit", "prefill", "step", "update")
 
@@ -525,4 +526,4 @@ class StepStats:
         phases = dict(self.phase_s, update=self.phase_s["update"] - self.gpu_wait_s)
         return {"steps": self.steps, "iterations": self.iterations, "wall_s": self.wall_s, "wait_s": self.wait_s,
                 "host_s": self.wall_s - self.wait_s, "host_cpu_s": self.cpu_s - self.wait_cpu_s,
-                "phases_s": phases, "launch_s": self.launched()}
+                "wait_cpu_s": self.wait_cpu_s, "phases_s": phases, "launch_s": self.launched()}
