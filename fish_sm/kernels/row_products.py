@@ -67,12 +67,12 @@ ADAPTER_CONFIGS = MappingProxyType({
 
 
 def launch_config(n: int, k: int, int8: bool, configs=LAUNCH_CONFIGS,
-                  lora: tuple[int, int] | None = None, adapter_configs=ADAPTER_CONFIGS) -> tuple[int, int, int]:
+                  lora: tuple[int, int] | None = None) -> tuple[int, int, int]:
     """Rows per program, inputs per block, warps for an [N, K] product; `lora` (rank, halves):
     with an adapter's part (a program's rows in one half, A's block of rows in registers)."""
     if lora is None:
         return configs.get((n, k, int8), (4, min(_power_of_2(k), 1024), 4))
-    adapted = None if int8 else adapter_configs.get((n, k))
+    adapted = None if int8 else ADAPTER_CONFIGS.get((n, k))
     return with_adapter(adapted or launch_config(n, k, int8, configs), n, *lora)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from fish_sm.contract import check_text
 from fish_sm.errors import AdapterError, FishSMError, InputError
+from fish_sm.engine.generate import WaitClock
 from fish_sm.engine.batching.codec_worker import CodecWorker
 from fish_sm.engine.batching.request import EngineStopped, Event, Job, Session, Ticket
 from fish_sm.engine.batching.runner import START_BATCH, ModelRunner
@@ -322,9 +323,8 @@ class BatchEngine:
             while self._running and not self.scheduler.has_work() and not pending:
                 if self.runner.capturing:
                     break  # idle: capture the next graph (below, after an empty step)
-                waited = self.stats.clocks()
-                self._lock.wait()
-                self.stats.waited(waited)
+                with self.stats.waiting():
+                    self._lock.wait()
             if not self._running:
                 return None
             if not self._codec.alive():
@@ -388,9 +388,8 @@ class BatchEngine:
         to the codec in one message, then each request whose chunk ended is handled (a
         session's sentence end, a request complete)."""
         for rows in steps:
-            waited = self.stats.clocks()
-            frames = rows.frames()  # the one wait for the GPU an iteration has
-            self.stats.waited(waited, gpu=True)
+            with self.stats.waiting(gpu=True):
+                frames = rows.frames()  # the one wait for the GPU an iteration has
             checked = self.scheduler.check(rows, frames)
             if checked.lanes.size:
                 self._codec.frames(checked.lanes, checked.codes)
@@ -486,11 +485,13 @@ class StepStats:
     def __init__(self, launched: Callable[[], float] = lambda: 0.0):
         self.steps = 0
         self.iterations = 0
-        self.wall_s = self.wait_s = self.cpu_s = self.wait_cpu_s = self.gpu_wait_s = 0.0
+        self.wall_s = self.cpu_s = 0.0
+        self.waits = WaitClock()  # every wait inside an iteration: for work, for a step's frames
+        self.gpu_waits = WaitClock()  # of them, those for a step's frames
         # Wall seconds by phase of an iteration: the scheduler's decisions, admissions (their
         # codec streams opened), prefills with first frames, the decode step
         # queued (with `decoding` and `advance`), and stop checks with the codec's hand-off (less
-        # the wait for the GPU's frames, `gpu_wait_s`).
+        # the wait for the GPU's frames).
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)
         # Of the step phase, the decode step's launch (its graph's replay, or the eager step):
         # the runner's count, read when a snapshot is taken.
@@ -507,14 +508,12 @@ class StepStats:
         self.wall_s += wall - began[0]
         self.cpu_s += cpu - began[1]
 
-    def waited(self, began: tuple[float, float], gpu: bool = False) -> None:
-        """A wait inside an iteration (the CPU it took, a driver's spin, is not host work either):
-        for work, or (`gpu`) for a step's frames."""
-        wall, cpu = self.clocks()
-        self.wait_s += wall - began[0]
-        self.wait_cpu_s += cpu - began[1]
-        if gpu:
-            self.gpu_wait_s += wall - began[0]
+    @contextlib.contextmanager
+    def waiting(self, gpu: bool = False):
+        """Around a wait inside an iteration (the CPU it took, a driver's spin, is not host work
+        either): for work, or (`gpu`) for a step's frames."""
+        with self.waits, self.gpu_waits if gpu else contextlib.nullcontext():
+            yield
 
     def lap(self, phase: str, since: float) -> float:
         """Count the wall time from `since` to now to `phase`; returns now."""
@@ -523,7 +522,8 @@ class StepStats:
         return now
 
     def snapshot(self) -> dict:
-        phases = dict(self.phase_s, update=self.phase_s["update"] - self.gpu_wait_s)
-        return {"steps": self.steps, "iterations": self.iterations, "wall_s": self.wall_s, "wait_s": self.wait_s,
-                "host_s": self.wall_s - self.wait_s, "host_cpu_s": self.cpu_s - self.wait_cpu_s,
-                "wait_cpu_s": self.wait_cpu_s, "phases_s": phases, "launch_s": self.launched()}
+        waits = self.waits
+        phases = dict(self.phase_s, update=self.phase_s["update"] - self.gpu_waits.wall_s)
+        return {"steps": self.steps, "iterations": self.iterations, "wall_s": self.wall_s, "wait_s": waits.wall_s,
+                "host_s": self.wall_s - waits.wall_s, "host_cpu_s": self.cpu_s - waits.cpu_s,
+                "wait_cpu_s": waits.cpu_s, "phases_s": phases, "launch_s": self.launched()}
