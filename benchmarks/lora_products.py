@@ -49,7 +49,7 @@ def product(name: str, out: int, width: int, parts: int, rows: int, distinct: in
                         (torch.randn(out, width, generator=g) * 0.03).to("cuda", torch.bfloat16)))
     expected = lora_products.expand_reference(lora_products.shrink_reference(x, *weights[0][:1], ids, 1),
                                               weights[0][1], ids, 1, parts).float()
-    shipped = lora_products.delta_config(rows, out // parts, parts, rank)
+    shipped = lora_products.delta_config(out // parts, rank)
     block_r = 1 << (rank - 1).bit_length()
     fits = [c for c in GRID if c[0] <= max(64, 1 << (out // parts - 1).bit_length())
             and c[0] * block_r <= 2 * lora_products.BLOCK_A]

@@ -44,25 +44,12 @@ EPS = 1e-6
 def launch(x, w, scale, norm, res, prologue: int, config: tuple[int, int, int], lora: tuple | None = None
            ) -> torch.Tensor:
     """`row_products.row_product`'s kernel launched with `config` (rows per program, inputs per
-    block, warps) instead of `launch_config`'s, no prefetch: as `row_products._launch` launches it;
-    with `lora` (A, B, slot ids, halves), the adapter's part added."""
+    block, warps) instead of `launch_config`'s, no prefetch; with `lora` (A, B, slot ids, halves),
+    the adapter's part added."""
     from fish_sm.kernels import row_products
-    from fish_sm.kernels.launch import dependent_launch
 
-    n, k = w.shape
-    block_n, block_k, warps = config
-    flat = x.reshape(-1)
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
-    pdl, options = dependent_launch(x.device)
-    la, lb, ids, parts = lora if lora is not None else (flat, flat, flat, 1)
-    rank = lb.shape[-1] if lora is not None else 1
-    row_products._product[(-(-n // block_n),)](
-        flat, norm if norm is not None else flat, w, scale if scale is not None else flat,
-        res.reshape(-1) if res is not None else flat, out, n, EPS, flat, 0, la, lb, ids, n // parts, rank,
-        PREFETCH=False, K=k, PROLOGUE=prologue, SCALED=scale is not None, RESIDUAL=res is not None,
-        LORA=lora is not None, BLOCK_R=row_products.triton.next_power_of_2(rank),
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
-    return out.view(*x.shape[:-1], n)
+    la, lb, ids, parts = lora if lora is not None else (None, None, None, 1)
+    return row_products._launch(x, w, scale, norm, res, prologue, EPS, None, la, lb, ids, parts, config=config)
 
 
 def adapter(n: int, k: int, rank: int, parts: int, g: torch.Generator) -> tuple:

@@ -80,22 +80,15 @@ def _(index, a_t, b, ids, per_id):
     return b.new_empty(index.shape[0], b.shape[1])
 
 
-# Programs a `_delta` call aims for at least: fewer, and the GPU's SMs wait on too few loads.
-DELTA_PROGRAMS = 128
-
-
-def delta_config(rows: int, per_part: int, parts: int, rank: int) -> tuple[int, int]:
-    """Outputs per program and warps for `_delta` over `rows` rows: each program repeats its
-    row's shrink (all of the row's A, up to 48 KB a row at S1-mini's shapes, from L2), so a
-    program takes as many outputs of its half as BLOCK_A elements of B allow, halved (to 256
-    at least) while that leaves fewer than DELTA_PROGRAMS programs: at 256 rows and 256 outputs
-    a program, the repeated reads were most of a step's adapter time; at 32 rows and 1,024
-    outputs a program, too few programs ran (benchmarks/lora_products.py)."""
+def delta_config(per_part: int, rank: int) -> tuple[int, int]:
+    """Outputs per program and warps for `_delta`: as many outputs of a half as BLOCK_A elements
+    of B allow (each program repeats its row's shrink, all of the row's A from L2, so fewer,
+    larger programs read less), 8 warps. Beside the product it is added to, fewer programs also
+    leave the SMs to the product: at 32 rows, programs of 256 outputs made the delta alone up
+    to 27% faster but cost the step 18% of its frames a second (benchmarks/lora_products.py,
+    benchmarks/adapters.py)."""
     block_r = triton.next_power_of_2(rank)
-    block_o = min(triton.next_power_of_2(per_part), max(64, BLOCK_A // block_r))
-    while block_o > 256 and rows * parts * triton.cdiv(per_part, block_o) < DELTA_PROGRAMS:
-        block_o //= 2
-    return block_o, 8
+    return min(triton.next_power_of_2(per_part), max(64, BLOCK_A // block_r)), 8
 
 
 def launch_delta(x: Tensor, a: Tensor, b: Tensor, ids: Tensor, per_id: int, parts: int,
@@ -110,7 +103,7 @@ def launch_delta(x: Tensor, a: Tensor, b: Tensor, ids: Tensor, per_id: int, part
     if n:
         block_r = triton.next_power_of_2(rank)
         block_i = min(triton.next_power_of_2(width), max(32, BLOCK_A // block_r))
-        block_o, warps = config or delta_config(n, per_part, parts, rank)
+        block_o, warps = config or delta_config(per_part, rank)
         grid = (n, parts, triton.cdiv(per_part, block_o))
         _delta[grid](x, x.stride(0), a.contiguous(), b.contiguous(), ids, y, per_id, outputs, per_part, rank, IN=width,
                      BLOCK_R=block_r, BLOCK_I=block_i, BLOCK_O=block_o, num_warps=warps)

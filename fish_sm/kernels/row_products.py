@@ -154,14 +154,16 @@ def reference(x: Tensor, w: Tensor, scale: Optional[Tensor], norm: Optional[Tens
     return y + lora_products.expand_reference(v, lora_b, ids, rows.shape[0], parts).view(y.shape)
 
 
-def _launch(x, w, scale, norm, res, prologue, eps, ahead=None, lora_a=None, lora_b=None, lora_ids=None, parts=1):
+def _launch(x, w, scale, norm, res, prologue, eps, ahead=None, lora_a=None, lora_b=None, lora_ids=None, parts=1,
+            config: tuple[int, int, int] | None = None):
+    """The kernel, with `launch_config`'s config unless `config` is given (benchmarks sweep them)."""
     n, k = w.shape
     flat = x.reshape(-1)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     lora = lora_a is not None
     rank = lora_b.shape[-1] if lora else 1
     block_r = triton.next_power_of_2(rank)
-    block_n, block_k, warps = launch_config(n, k, scale is not None, lora=(rank, parts) if lora else None)
+    block_n, block_k, warps = config or launch_config(n, k, scale is not None, lora=(rank, parts) if lora else None)
     programs = triton.cdiv(n, block_n)
     pdl, options = dependent_launch(x.device)
     bulk = ahead is not None and _bulk_prefetchable(ahead, programs)
