@@ -543,8 +543,9 @@ class HostStaging:
 
 
 class WaitClock:
-    """Wall and CPU seconds one thread spent waiting for the GPU (`with clock:` around a wait):
-    the CPU is the driver spinning in the wait (a core kept busy), not the thread's own work."""
+    """Wall and CPU seconds one thread spent waiting (`with clock:` around a wait: for the GPU,
+    or for work): the CPU is the driver or the lock spinning in the wait (a core kept busy), not
+    the thread's own work."""
 
     def __init__(self):
         self.wall_s = self.cpu_s = 0.0

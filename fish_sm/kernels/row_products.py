@@ -66,14 +66,13 @@ ADAPTER_CONFIGS = MappingProxyType({
 })
 
 
-def launch_config(n: int, k: int, int8: bool, configs=LAUNCH_CONFIGS,
-                  lora: tuple[int, int] | None = None) -> tuple[int, int, int]:
+def launch_config(n: int, k: int, int8: bool, lora: tuple[int, int] | None = None) -> tuple[int, int, int]:
     """Rows per program, inputs per block, warps for an [N, K] product; `lora` (rank, halves):
     with an adapter's part (a program's rows in one half, A's block of rows in registers)."""
     if lora is None:
-        return configs.get((n, k, int8), (4, min(_power_of_2(k), 1024), 4))
+        return LAUNCH_CONFIGS.get((n, k, int8), (4, min(_power_of_2(k), 1024), 4))
     adapted = None if int8 else ADAPTER_CONFIGS.get((n, k))
-    return with_adapter(adapted or launch_config(n, k, int8, configs), n, *lora)
+    return with_adapter(adapted or launch_config(n, k, int8), n, *lora)
 
 
 def with_adapter(config: tuple[int, int, int], n: int, rank: int, parts: int) -> tuple[int, int, int]:
