@@ -1,16 +1,20 @@
 """Where one replayed decode frame (one row, ~1,100 cache slots) spends its time, kernel by kernel,
-per weight mode (bf16 against INT8): torch.profiler over replays of the engine's captured
-one-row frame (its one-slot batching engine's, after `Engine.compile`). With programmatic dependent launch a kernel starts before the
-one before it ends, so each kernel's share is its *marginal* time: its end minus the previous
-kernel's end (they add up to the frame). Kernels are matched across modes by their place in
-the frame. CUDA only.
+per weight mode (bf16 against INT8), or (`--adapter-rank`) with a LoRA adapter against without
+one: torch.profiler over replays of the engine's captured one-row step (its one-slot batching
+engine's, after `Engine.compile`), its inputs set to one row at `--live` slots. With
+programmatic dependent launch a kernel starts before the one before it ends, so each kernel's
+share is its *marginal* time: its end minus the previous kernel's end (they add up to the
+frame). Kernels are matched across modes by their place in the frame. CUDA only.
 
-    python benchmarks/frame_timeline.py CHECKPOINT [--modes bf16,int8] [--live 1100] [--replays 30] [--out DIR]
+    python benchmarks/frame_timeline.py CHECKPOINT [--modes bf16,int8] [--adapter-rank 8] [--live 1100] [--replays 30] [--out DIR]
 
-Prints, per mode, the replay's wall time, kernels a frame and their span, then the marginal
-µs a frame by part (slow/fast wqkv, attn, combine, wo, w13, w2, picks...); with two modes of
-the same kernel count, the parts where the second saves most. Writes DIR/frame_timeline.json
-(DIR: --out, else $OUT, else .) with every kernel's row.
+With `--adapter-rank R`, each mode's engine serves one random adapter of rank R, and its frame is
+profiled twice: the row without an adapter (the step's graph without the adapters' products)
+and the row with it, compared as two modes are. Prints, per variant, the replay's wall time,
+kernels a frame and their span, then the marginal µs a frame by part (slow/fast wqkv, attn,
+combine, wo, w13, w2, picks...); with two variants of the same kernel count, the parts where
+they differ most. Writes DIR/frame_timeline.json (DIR: --out, else $OUT, else .) with every
+kernel's row.
 """
 
 from __future__ import annotations
@@ -27,19 +31,38 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `benchmarks` run as a file
-from benchmarks.engine import decode_step_inputs, environment, load, release, timed  # noqa: E402
+from benchmarks.engine import environment, load, release, timed  # noqa: E402
+from fish_sm.engine.generate import attention_bucket  # noqa: E402
 
 
-def timeline(engine, live: int, replays: int) -> dict:
-    """Every kernel of `replays` replays of the frame, matched by place: its name, grid, median
+class RandomAdapters:
+    """An adapter source of random adapters (`random_adapter`), one per name."""
+
+    def __init__(self, config, rank: int):
+        self.config, self.rank = config, rank
+
+    def load(self, name: str):
+        from fish_sm.model.lora import random_adapter
+
+        return random_adapter(self.config, name, rank=self.rank, seed=0)
+
+
+def timeline(engine, live: int, replays: int, adapter_slot: int = 0) -> dict:
+    """Every kernel of `replays` replays of the one-row step, its row at `live` cache slots
+    (with the adapter in `adapter_slot`, if not 0), matched by place: its name, grid, median
     duration and median marginal time."""
     from torch.profiler import ProfilerActivity, profile
 
-    args, key_pos = decode_step_inputs(engine.model, 1, live)
-    step = engine.batching().runner.captured
+    runner = engine.batching().runner
+    step = runner.captured
+    bucket = attention_bucket(runner.max_seq_len, live)
+    ints, _ = step.inputs(1)  # the last request's row and sampling parameters, at another position
+    ints[1, 0] = 0
+    ints[2, 0] = live - 1
+    ints[4, 0] = adapter_slot
 
     def replay():
-        return step(*args, key_pos=key_pos)
+        return step.replay(1, bucket, adapters=adapter_slot > 0)
 
     with torch.inference_mode():
         for _ in range(5):
@@ -115,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint")
     p.add_argument("--modes", default="bf16,int8", help="weights, comma-separated: bf16, int8")
+    p.add_argument("--adapter-rank", type=int, default=0,
+                   help="profile each mode's frame without and with a random LoRA adapter of this rank")
     p.add_argument("--live", type=int, default=1100, help="cache slots in use (the attention's length)")
     p.add_argument("--replays", type=int, default=30, help="replays profiled")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where frame_timeline.json goes")
@@ -130,17 +155,24 @@ def main(argv: list[str] | None = None) -> dict:
 
     for mode in a.modes.split(","):
         engine = load(a.checkpoint, mode, torch.device("cuda"))
-        engine.compile()
-        t = timeline(engine, a.live, a.replays)
-        t["groups"] = groups(t["rows"])
-        t["parts"] = role_sums(t["rows"])
-        out["modes"][mode] = t
-        print(mode, json.dumps({k: t[k] for k in ("replay_wall_us", "kernels", "span_us")}), flush=True)
-        for k, v in t["parts"].items():
-            print(f"  {v:8.1f}  {k}", flush=True)
+        variants = {mode: 0}
+        if a.adapter_rank:
+            engine.enable_adapters(RandomAdapters(engine.config, a.adapter_rank), 2**30, rank=a.adapter_rank)
+            engine.compile()
+            variants = {f"{mode} no adapter": 0, f"{mode} adapter": engine.adapters.acquire("voice")}
+        else:
+            engine.compile()
+        for name, slot in variants.items():
+            t = timeline(engine, a.live, a.replays, slot)
+            t["groups"] = groups(t["rows"])
+            t["parts"] = role_sums(t["rows"])
+            out["modes"][name] = t
+            print(name, json.dumps({k: t[k] for k in ("replay_wall_us", "kernels", "span_us")}), flush=True)
+            for k, v in t["parts"].items():
+                print(f"  {v:8.1f}  {k}", flush=True)
+            save()
         del engine
         release(torch.device("cuda"))
-        save()
     if len(out["modes"]) == 2:
         (a_mode, ta), (b_mode, tb) = out["modes"].items()
         if ta["kernels"] == tb["kernels"]:
