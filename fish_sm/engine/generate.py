@@ -54,8 +54,9 @@ class Pickers(NamedTuple):
     """The functions `sample_frame` picks codes with: these, eager, or their compiled
     versions (the graphs': head, nucleus, softmax and draw in a few fused kernels).
     `head_with_input`, `residual_with_input`: instead of `head` and `residual`, pickers that
-    also return the code's embedding, the head's with its token and code
-    (`kernels.pick_head_kernels`, `kernels.pick_residual_kernels`)."""
+    also return the code's embedding as `model.fast_embeddings` gives it (its adapters'
+    part included), the head's with its token and code (`kernels.pick_head_kernels`,
+    `kernels.pick_residual_kernels`)."""
     head: Callable[..., Tensor] = pick
     residual: Callable[..., Tensor] = pick_residual
     head_with_input: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
@@ -74,7 +75,6 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
     n_head = c.semantic_vocab + 1
     if pickers.head_with_input is not None:
         token, code, x = pickers.head_with_input(model, logits, noise[:, :n_head], temperature, top_p, penalty, window)
-        x = kernels.with_delta(model.fast_embeddings, code, x)  # the pickers read the table without adapters
     else:
         head_prev = None if window is None else head_penalty_indices(window[:, :, 0], model.semantic_begin_id,
                                                                       c.semantic_vocab, model.im_end_id)
@@ -100,8 +100,6 @@ def sample_frame(model: DualARTransformer, logits: Tensor, hidden: Tensor, windo
         last = i == c.num_codebooks - 1
         if pickers.residual_with_input is not None:
             code, x = pickers.residual_with_input(*args, next_input=not last)
-            if x is not None:
-                x = kernels.with_delta(model.fast_embeddings, code, x)
         else:
             code = pickers.residual(*args)
             x = None if last else model.fast_embeddings(code)

@@ -16,18 +16,23 @@ first within it; for the slow head, its token and code too.
 
 Same arithmetic as the torch path, in float32; its sums run in another order, so a pick on
 the nucleus' boundary can differ in rare cases (as `sort_free` does against the sort).
+
+A model carrying LoRA adapters (`kernels.lora`) adds each row's adapter to the embedding row in
+the same kernel (`EmbeddingAdapters`: `lora_lookup`'s arithmetic and rounding, then the sum the
+wrapper's `y + delta` makes), where it took two more kernels a code.
 """
 
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from fish_sm.kernels.launch import dependent_launch
+from fish_sm.kernels.lora import LoraEmbedding
 from fish_sm.model.dual_ar import DualARTransformer
 
 try:
@@ -103,24 +108,57 @@ def _tempered(logits: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tenso
     return out
 
 
+class EmbeddingAdapters(NamedTuple):
+    """The adapters on an embedding table as the pick kernels add them to the row they look up:
+    a_t [slots, num, R] (A transposed), b [slots, dim, R] (scaled), ids [rows] each row's slot
+    (0: none), as `lora_lookup` takes them."""
+
+    a_t: Tensor
+    b: Tensor
+    ids: Tensor
+
+    @classmethod
+    def of(cls, embedding: torch.nn.Module, rows: int) -> "EmbeddingAdapters | None":
+        """Those of `embedding` for a pick of `rows` rows, if it carries adapters that are added."""
+        if isinstance(embedding, LoraEmbedding) and embedding.adds:
+            return cls(embedding.lora_a_t, embedding.lora_b, embedding.ids[:rows])
+        return None
+
+    def kernel_args(self) -> dict:
+        return dict(lora_a_ptr=self.a_t, lora_b_ptr=self.b, ids_ptr=self.ids, NUM=self.a_t.shape[1], R=self.b.shape[-1],
+                    LORA=True, BLOCK_R=triton.next_power_of_2(self.b.shape[-1]))
+
+
+def _no_adapters(table: Tensor) -> dict:
+    """The pick kernels' adapter arguments when none are added (never read)."""
+    return dict(lora_a_ptr=table, lora_b_ptr=table, ids_ptr=table, NUM=0, R=0, LORA=False, BLOCK_R=1)
+
+
+def _adapter_args(adapters: EmbeddingAdapters | None, table: Tensor, next_input: bool) -> dict:
+    return adapters.kernel_args() if adapters is not None and next_input else _no_adapters(table)
+
+
 def _pick_one(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
-              previous: Tensor | None, table: Tensor, next_input: bool) -> tuple[Tensor, Tensor | None]:
+              previous: Tensor | None, table: Tensor, next_input: bool,
+              adapters: EmbeddingAdapters | None = None) -> tuple[Tensor, Tensor | None]:
     """A residual code's pick at one row: `_nucleus` then `_draw`; (code [1], its row of
-    `table` (with `next_input`))."""
+    `table` (with `next_input`), plus its adapter's part (`adapters`))."""
     tempered = _tempered(logits, temperature, top_p, penalty, previous)
     code = torch.empty(1, dtype=torch.long, device=logits.device)
     row = torch.empty(1, table.shape[-1], dtype=table.dtype, device=logits.device) if next_input else code
     pdl, options = dependent_launch(logits.device)
     _draw[(1,)](tempered, logits.shape[-1], noise, code, table, row, WIDTH=tempered.numel(), DIM=table.shape[-1],
-                NEXT=next_input, PDL=pdl, num_warps=4, **options)
+                NEXT=next_input, PDL=pdl, num_warps=4, **_adapter_args(adapters, table, next_input), **options)
     return code, (row if next_input else None)
 
 
 def _pick_rows(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
                previous: Tensor | None, table: Tensor, head_ids: tuple[int, int, int] | None,
-               next_input: bool, warps: Mapping[bool, int] = ROWS_WARPS) -> tuple[Tensor, Tensor, Tensor | None]:
+               next_input: bool, warps: Mapping[bool, int] = ROWS_WARPS, adapters: EmbeddingAdapters | None = None
+               ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Each row's pick with its own parameters, noise and penalty ids: (token (the slow head's
-    only), code, the code's row of `table` (with `next_input`)), one per row."""
+    only), code, the code's row of `table` (with `next_input`), plus its adapter's part
+    (`adapters`)), one per row."""
     rows, v = logits.shape
     logits, noise = (t if t.stride(-1) == 1 else t.contiguous() for t in (logits, noise))
     dev = logits.device
@@ -134,38 +172,46 @@ def _pick_rows(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor
         previous.shape[-1] if has_prev else 0, begin, n_semantic, im_end,
         temperature, temperature.stride(0), top_p, top_p.stride(0), penalty, penalty.stride(0),
         token, code, table, row, WIDTH=triton.next_power_of_2(v), DIM=table.shape[-1], HAS_PREV=has_prev,
-        HEAD=head_ids is not None, NEXT=next_input, num_warps=warps[head_ids is not None])
+        HEAD=head_ids is not None, NEXT=next_input, num_warps=warps[head_ids is not None],
+        **_adapter_args(adapters, table, next_input))
     return token, code, (row if next_input else None)
 
 
 def sample_residual(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
-                    previous: Tensor | None, table: Tensor, next_input: bool = True) -> tuple[Tensor, Tensor | None]:
+                    previous: Tensor | None, table: Tensor, next_input: bool = True,
+                    adapters: EmbeddingAdapters | None = None) -> tuple[Tensor, Tensor | None]:
     """logits [B, V] (the fast head's), noise [B, V] of Exp(1) draws, temperature / top_p /
     penalty [B, 1], previous [B, W] codes to penalise (or None), table [codebook_size, dim]:
-    the code [B] and, with `next_input`, its row of `table` [B, dim]."""
+    the code [B] and, with `next_input`, its row of `table` [B, dim] plus its adapter's part
+    (`adapters`)."""
     if logits.shape[0] == 1:
-        return _pick_one(logits, noise, temperature, top_p, penalty, previous, table, next_input)
-    _, code, row = _pick_rows(logits, noise, temperature, top_p, penalty, previous, table, None, next_input)
+        return _pick_one(logits, noise, temperature, top_p, penalty, previous, table, next_input, adapters)
+    _, code, row = _pick_rows(logits, noise, temperature, top_p, penalty, previous, table, None, next_input,
+                              adapters=adapters)
     return code, row
 
 
 def sample_head(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, penalty: Tensor,
                 first_frame: Tensor | None, semantic_begin_id: int, im_end_id: int,
-                table: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                table: Tensor, adapters: EmbeddingAdapters | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The slow head's pick: logits [B, semantic_vocab + 1] (row i: semantic code i, the last:
     <|im_end|>), noise [B, same], `first_frame` [B, 1 + C] the ids the penalty counts (the
     window's first frame, read as vocabulary ids as upstream does; None: no penalty).
-    Returns the token [B], the code [B] (0 for <|im_end|>) and the code's row of `table`."""
+    Returns the token [B], the code [B] (0 for <|im_end|>) and the code's row of `table` plus
+    its adapter's part (`adapters`)."""
     head_ids = (semantic_begin_id, logits.shape[-1] - 1, im_end_id)
-    return _pick_rows(logits, noise, temperature, top_p, penalty, first_frame, table, head_ids, True)
+    return _pick_rows(logits, noise, temperature, top_p, penalty, first_frame, table, head_ids, True,
+                      adapters=adapters)
 
 
 def pick_head_kernels(model: DualARTransformer, logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor,
                       penalty: Tensor, window: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The slow head's pick (`sample_head`) for `generate.sample_frame`: its token, its code
-    and the code's embedding (the fast transformer's first input)."""
+    and the code's embedding as the model's fast embedding gives it, adapters included (the
+    fast transformer's first input)."""
     return sample_head(logits, noise, temperature, top_p, penalty, None if window is None else window[:, :, 0],
-                       model.semantic_begin_id, model.im_end_id, model.fast_embeddings.weight)
+                       model.semantic_begin_id, model.im_end_id, model.fast_embeddings.weight,
+                       EmbeddingAdapters.of(model.fast_embeddings, logits.shape[0]))
 
 
 def pick_residual_kernels(model: DualARTransformer, hidden: Tensor, noise: Tensor, temperature: Tensor,
@@ -174,10 +220,11 @@ def pick_residual_kernels(model: DualARTransformer, hidden: Tensor, noise: Tenso
                           ) -> tuple[Tensor, Tensor | None]:
     """A residual code from the fast transformer's hidden state (its head, then
     `sample_residual`) for `generate.sample_frame`, with the next fast step's input (the
-    code's embedding). `fast_logits`: the fast head as compiled for several rows."""
+    code's embedding as the model's fast embedding gives it, adapters included). `fast_logits`:
+    the fast head as compiled for several rows."""
     logits = model.fast_logits(hidden) if fast_logits is None else fast_logits(model, hidden)
     return sample_residual(logits, noise, temperature, top_p, penalty, previous, model.fast_embeddings.weight,
-                           next_input)
+                           next_input, EmbeddingAdapters.of(model.fast_embeddings, logits.shape[0]))
 
 
 if triton is not None:
@@ -230,9 +277,28 @@ if triton is not None:
         tl.store(out_ptr + j, tl.where(drop, float("-inf"), lj / temperature), mask=j < WIDTH)
 
     @triton.jit
-    def _draw(tempered_ptr, v, noise_ptr, code_ptr, table_ptr, row_ptr, WIDTH: tl.constexpr, DIM: tl.constexpr,
-              NEXT: tl.constexpr, PDL: tl.constexpr):
-        """argmax(softmax(tempered) / noise) (the first on a tie), and its table row."""
+    def _embedding_row(table_ptr, code, slot, lora_a_ptr, lora_b_ptr, NUM, R, DIM: tl.constexpr, LORA: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+        """Row `code` of the table, plus (LORA) the adapter in `slot`'s part of it, as
+        `lora_lookup` computes and rounds it (nothing for slot 0) and as `y + delta` adds it."""
+        d = tl.arange(0, DIM)
+        e = tl.load(table_ptr + code * DIM + d)
+        if LORA:
+            if slot != 0:
+                r = tl.arange(0, BLOCK_R)
+                v = tl.load(lora_a_ptr + (slot * NUM + code) * R + r, mask=r < R, other=0.0).to(tl.float32)
+                w = tl.load(lora_b_ptr + (slot * DIM + d[:, None]) * R + r[None, :], mask=(r < R)[None, :],
+                            other=0.0).to(tl.float32)
+                delta = tl.sum(w * v[None, :], axis=1).to(lora_b_ptr.dtype.element_ty)
+                e = (e.to(tl.float32) + delta.to(tl.float32)).to(table_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        return e
+
+    @triton.jit
+    def _draw(tempered_ptr, v, noise_ptr, code_ptr, table_ptr, row_ptr, lora_a_ptr, lora_b_ptr, ids_ptr, NUM, R,
+              WIDTH: tl.constexpr, DIM: tl.constexpr, NEXT: tl.constexpr, PDL: tl.constexpr, LORA: tl.constexpr,
+              BLOCK_R: tl.constexpr):
+        """argmax(softmax(tempered) / noise) (the first on a tie), and its table row (with its
+        adapter's part: LORA)."""
         every = tl.arange(0, WIDTH)
         real = every < v
         noise = tl.load(noise_ptr + every, mask=real, other=1.0)
@@ -245,14 +311,16 @@ if triton is not None:
         code = tl.argmax(tl.where(real, probs / noise, -1.0), 0, tie_break_left=True).to(tl.int64)
         tl.store(code_ptr, code)
         if NEXT:
-            d = tl.arange(0, DIM)
-            tl.store(row_ptr + d, tl.load(table_ptr + code * DIM + d))
+            slot = tl.load(ids_ptr).to(tl.int64) if LORA else 0
+            e = _embedding_row(table_ptr, code, slot, lora_a_ptr, lora_b_ptr, NUM, R, DIM, LORA, BLOCK_R)
+            tl.store(row_ptr + tl.arange(0, DIM), e)
 
     @triton.jit
     def _nucleus_rows(logits_ptr, logits_stride, v, noise_ptr, noise_stride, prev_ptr, prev_row_stride, prev_stride,
                       n_prev, begin, n_semantic, im_end, temp_ptr, temp_stride, top_p_ptr, top_p_stride, penalty_ptr,
-                      penalty_stride, token_ptr, code_ptr, table_ptr, row_ptr, WIDTH: tl.constexpr,
-                      DIM: tl.constexpr, HAS_PREV: tl.constexpr, HEAD: tl.constexpr, NEXT: tl.constexpr):
+                      penalty_stride, token_ptr, code_ptr, table_ptr, row_ptr, lora_a_ptr, lora_b_ptr, ids_ptr, NUM, R,
+                      WIDTH: tl.constexpr, DIM: tl.constexpr, HAS_PREV: tl.constexpr, HEAD: tl.constexpr,
+                      NEXT: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
         """Row `program_id`'s pick, as `_nucleus` and `_draw` make it for one row."""
         r = tl.program_id(0).to(tl.int64)
         temperature = tl.maximum(tl.load(temp_ptr + r * temp_stride), 1e-5)
@@ -297,8 +365,9 @@ if triton is not None:
             code = tl.where(is_end, 0, pick).to(tl.int64)
         tl.store(code_ptr + r, code)
         if NEXT:
-            d = tl.arange(0, DIM)
-            tl.store(row_ptr + r * DIM + d, tl.load(table_ptr + code * DIM + d))
+            slot = tl.load(ids_ptr + r).to(tl.int64) if LORA else 0
+            e = _embedding_row(table_ptr, code, slot, lora_a_ptr, lora_b_ptr, NUM, R, DIM, LORA, BLOCK_R)
+            tl.store(row_ptr + r * DIM + tl.arange(0, DIM), e)
 
     @triton.jit
     def _exponential(keys, out, n, stride, BLOCK: tl.constexpr):

@@ -173,6 +173,41 @@ def test_row_kernels_pick_what_the_torch_sampling_picks(top_p):
     assert agree >= 0.98 * picks
 
 
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 32])
+def test_picks_add_each_row_s_adapter_to_the_embedding_as_the_lookup_kernel_and_the_wrapper_do(rows):
+    """With a model's adapters (`EmbeddingAdapters`), the row a pick returns is the table's row
+    plus `lora_lookup`'s part for the row's slot, added as the wrapper's `y + delta` adds it, bit
+    for bit; slot 0 rows get the table's row; the codes are those picked without adapters."""
+    from fish_sm.kernels.lora_products import launch_lookup
+
+    g = torch.Generator().manual_seed(3)
+    slots, rank, dim = 5, 8, 1024
+    table = torch.randn(4096, dim, generator=g).to("cuda", torch.bfloat16)
+    a_t = (torch.randn(slots + 1, 4096, rank, generator=g) * 0.5).to("cuda", torch.bfloat16)
+    b = (torch.randn(slots + 1, dim, rank, generator=g) * 0.05).to("cuda", torch.bfloat16)
+    a_t[0], b[0] = 0, 0
+    ids = torch.tensor(([3] if rows == 1 else [0, 1, 1, 5, 2, 0, 4, 4] * 4), device="cuda")
+    adapters = sampling_kernels.EmbeddingAdapters(a_t, b, ids)
+    t, p, r = _row_params(g, rows)
+    for n in (1024, 4097):  # a residual code's head, the slow head's
+        logits = (torch.randn(rows, n, generator=g) * 2).to("cuda", torch.bfloat16)
+        noise = torch.empty(rows, n).exponential_(1, generator=g).cuda()
+        if n == 1024:
+            code, x = sampling_kernels.sample_residual(logits, noise, t, p, r, None, table, adapters=adapters)
+            plain, _ = sampling_kernels.sample_residual(logits, noise, t, p, r, None, table)
+            last, none = sampling_kernels.sample_residual(logits, noise, t, p, r, None, table, False, adapters)
+            assert none is None and torch.equal(last, code)
+        else:
+            _, code, x = sampling_kernels.sample_head(logits, noise, t, p, r, None, 1000, 900, table, adapters)
+            _, plain, _ = sampling_kernels.sample_head(logits, noise, t, p, r, None, 1000, 900, table)
+        assert torch.equal(code, plain)
+        want = table[code] + launch_lookup(code, a_t, b, ids, 1)
+        assert torch.equal(x, want)
+        assert torch.equal(x[ids == 0], table[code][ids == 0])
+        assert not torch.equal(x[ids != 0], table[code][ids != 0])
+
+
 def test_noise_keys_depend_on_the_seed_and_the_draw_only():
     keys = {sampling_kernels.noise_key(seed, draw) for seed in (0, 1, 2**64 - 1, -1) for draw in range(50)}
     assert len(keys) == 150  # seed -1 is 2**64 - 1, as torch.Generator.manual_seed takes it
