@@ -269,7 +269,7 @@ def phase(name: str, a) -> dict:
             out["noncontiguous_latents_vs_eager_max_abs"] = (y[0].float() - audio.float()).abs().max().item()
             jit_ref = work / "jit_outputs.pt"
             if jit_ref.exists():
-                jit = torch.load(jit_ref)
+                jit = torch.load(jit_ref, weights_only=True)  # tensors only: nothing else is unpickled
                 for (x, y), (r, n), ref in zip(results, shapes, jit):
                     out[f"vs_jit_audio_{r}x{n}_max_abs"] = (y[0].float().cpu() - ref).abs().max().item()
             if dev.startswith("cuda"):  # a CUDA graph over the loaded model, as the engine captures one
@@ -376,12 +376,12 @@ def main() -> None:
     results = []
     # jit runs before load so that load can compare with jit's outputs too
     order = [p for p in PHASES if p in a.phases.split(",")]
+    root = str(Path(__file__).resolve().parents[1])  # fish_sm, for the phases' processes
     for name in order:
         cache = a.work / {"export": "cache-export", "load": "cache-load", "load-warm": "cache-load",
                           "load-raw": "cache-load-raw"}.get(name, "cache-jit")
         if name not in ("jit-warm", "load-warm"):  # the others start from an empty inductor cache
-            shutil.rmtree(cache, ignore_errors=True)  # these start from an empty inductor cache
-        root = str(Path(__file__).resolve().parents[1])  # fish_sm, for the phases' processes
+            shutil.rmtree(cache, ignore_errors=True)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton"),
                "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", name]

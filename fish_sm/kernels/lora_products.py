@@ -213,10 +213,16 @@ if triton is not None:
         slot = tl.load(ids_ptr + n // PER_ID).to(tl.int64)
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         if slot != 0:
-            r = tl.arange(0, BLOCK_R)
-            index = tl.load(index_ptr + n).to(tl.int64)
-            v = tl.load(a_ptr + (slot * NUM + index) * R + r, mask=r < R, other=0.0).to(tl.float32)
-            live = (o < OUT)[:, None] & (r < R)[None, :]
-            w = tl.load(b_ptr + (slot * OUT + o[:, None]) * R + r[None, :], mask=live, other=0.0).to(tl.float32)
-            acc = tl.sum(w * v[None, :], axis=1)
+            acc = lookup_part(a_ptr, b_ptr, slot, tl.load(index_ptr + n).to(tl.int64), NUM, OUT, R, o, BLOCK_R)
         tl.store(y_ptr + n * OUT + o, acc.to(y_ptr.dtype.element_ty), mask=o < OUT)
+
+    @triton.jit
+    def lookup_part(a_ptr, b_ptr, slot, index, NUM, OUT, R, o, BLOCK_R: tl.constexpr):
+        """Outputs `o` of the adapter in `slot`'s part of an embedding's row `index`, in float32:
+        each output's R weights of B against the R numbers of A's column for the index (also the
+        sampling kernels', which add it to the row they look up)."""
+        r = tl.arange(0, BLOCK_R)
+        v = tl.load(a_ptr + (slot * NUM + index) * R + r, mask=r < R, other=0.0).to(tl.float32)
+        live = (o < OUT)[:, None] & (r < R)[None, :]
+        w = tl.load(b_ptr + (slot * OUT + o[:, None]) * R + r[None, :], mask=live, other=0.0).to(tl.float32)
+        return tl.sum(w * v[None, :], axis=1)

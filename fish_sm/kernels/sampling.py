@@ -228,6 +228,7 @@ def pick_residual_kernels(model: DualARTransformer, hidden: Tensor, noise: Tenso
 
 
 if triton is not None:
+    from fish_sm.kernels.lora_products import lookup_part
 
     @triton.jit
     def _penalised(l, index, prev_ptr, prev_stride, n_prev, begin, n_semantic, im_end, penalty,
@@ -285,11 +286,8 @@ if triton is not None:
         e = tl.load(table_ptr + code * DIM + d)
         if LORA:
             if slot != 0:
-                r = tl.arange(0, BLOCK_R)
-                v = tl.load(lora_a_ptr + (slot * NUM + code) * R + r, mask=r < R, other=0.0).to(tl.float32)
-                w = tl.load(lora_b_ptr + (slot * DIM + d[:, None]) * R + r[None, :], mask=(r < R)[None, :],
-                            other=0.0).to(tl.float32)
-                delta = tl.sum(w * v[None, :], axis=1).to(lora_b_ptr.dtype.element_ty)
+                part = lookup_part(lora_a_ptr, lora_b_ptr, slot, code, NUM, DIM, R, d, BLOCK_R)
+                delta = part.to(lora_b_ptr.dtype.element_ty)
                 e = (e.to(tl.float32) + delta.to(tl.float32)).to(table_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         return e
 
