@@ -188,8 +188,10 @@ def _check_level(samples, population):
         assert s.audio_seconds == pytest.approx(frames_of(text) * FRAME / RATE)
         if s.mode == "stream":
             assert 0 < s.first_audio_s <= s.latency_s and s.underrun_s >= 0 and s.underruns >= 0
-            # Played: it took at least its audio, less the frame sent at once, to come.
-            assert s.latency_s - s.first_audio_s >= s.audio_seconds - 2 * FRAME / RATE
+            # Played: the server sends its last frame a frame short of the audio's length after the
+            # request came, so the answer took at least that; when the first frame arrived depends on
+            # the machine's load, so the bound does not count from it.
+            assert s.latency_s >= s.audio_seconds - FRAME / RATE
         else:
             assert s.first_audio_s == s.latency_s
     assert {s.mode for s in samples} == {"stream", "whole"}

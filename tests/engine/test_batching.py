@@ -165,10 +165,10 @@ def test_overload_is_refused_at_once_and_cancel_frees_the_slot(tiny_checkpoint):
         first = batcher.submit(long_job)
         _wait(lambda: batcher.load()["active"] == 1)
         queued = batcher.submit(long_job)  # the one queue place
-        t0 = time.perf_counter()
         with pytest.raises(Overloaded):
             batcher.submit(long_job)
-        assert time.perf_counter() - t0 < 0.5
+        # Refused while the slot and the queue place were still held: it did not wait for either.
+        assert batcher.load() == {"slots": 1, "active": 1, "waiting": 1, "max_queue": 1}
         first.cancel()  # as a client disconnecting does
         _wait(lambda: batcher.load() == {"slots": 1, "active": 1, "waiting": 0, "max_queue": 1})
         queued.cancel()

@@ -206,8 +206,7 @@ def test_json_lines_never_lock_other_clients_out(server):
         # As many as the queue's places: the lines hold both slots (so a third waiting request
         # would be refused until a slot frees), never a queue place.
         others = [pool.submit(invoke, server.url, {"text": f"Me {i}.", "max_new_tokens": 2, "seed": 0}) for i in range(2)]
-        t0 = time.perf_counter()
-        assert request(server.url + "/ping")[0] == 200 and time.perf_counter() - t0 < 1.0
+        assert request(server.url + "/ping")[0] == 200 and not batch.done()  # answered while the lines run
         assert [f.result()[0] for f in others] == [200, 200]
         assert not batch.done()  # they were served in between its lines, not after them
         status, _, body = batch.result()
@@ -253,10 +252,10 @@ def test_accept_q_values_on_the_server(server):
 
 
 def test_an_oversized_content_length_is_413_before_the_body(server):
-    t0 = time.perf_counter()
     reply = raw(port_of(server.url), b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                                      b"Content-Length: 5000000000\r\n\r\n{\"text\":")
-    assert reply.startswith(b"HTTP/1.1 413") and b'"error"' in reply and time.perf_counter() - t0 < 2
+    # 413, not the 408 that waiting for the body would have ended in.
+    assert reply.startswith(b"HTTP/1.1 413") and b'"error"' in reply
     still_serves(server.url)
 
 
