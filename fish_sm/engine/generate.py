@@ -289,12 +289,13 @@ class GraphedStep:
         if fast.rows and fast.picks:
             self.pickers_one = self.pickers_one._replace(head_with_input=kernels.pick_head_kernels,
                                                          residual_with_input=kernels.pick_residual_kernels)
-        self.pickers_many = Pickers(*(kernels.compile_decode(f, one_row=False, **compile_options)
+        self.pickers_many = Pickers(*(kernels.compile_decode(f, one_row=False, rows_first=True, **compile_options)
                                       for f in (pick, pick_residual)))
         # Several rows: each pick as one kernel a row instead of a sort and ~ten more kernels;
         # the fast head's norm and product still compiled (the product cuBLAS's).
         if fast.picks:
-            fast_logits = kernels.compile_decode(DualARTransformer.fast_logits, one_row=False, **compile_options)
+            fast_logits = kernels.compile_decode(DualARTransformer.fast_logits, one_row=False, rows_first=True,
+                                                 **compile_options)
             self.pickers_many = self.pickers_many._replace(
                 head_with_input=kernels.pick_head_kernels,
                 residual_with_input=functools.partial(kernels.pick_residual_kernels, fast_logits=fast_logits))

@@ -3,6 +3,7 @@ row and of several."""
 
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
 
 import torch
@@ -29,12 +30,24 @@ def _has_option(config, name: str) -> bool:
     return True
 
 
+def rows_dynamic(*tensors: torch.Tensor | None) -> None:
+    """Mark dim 0 (the rows) of each tensor dynamic before a call of a several-row compiled
+    function: its first compile then serves every batch size. Unmarked, dynamo compiles the
+    first batch size it sees and, at the second, everything again for any size (on a CPU,
+    15 s of the tiny model's first steps; on a GPU a cold start's second decode capture)."""
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 def compile_decode(fn, one_row: bool, tune: bool = True, int8: bool = False, one_row_options=ONE_ROW_OPTIONS,
-                   many_rows_options=MANY_ROWS_OPTIONS, not_with_int8=NOT_WITH_INT8):
+                   many_rows_options=MANY_ROWS_OPTIONS, not_with_int8=NOT_WITH_INT8, rows_first: bool = False):
     """`torch.compile` of a decode step's function: for one row, static shapes and
     `one_row_options` (without the tuning if not `tune`, without `not_with_int8` for a model
-    with INT8 weights); for several, one graph for any number (specialised to the first batch
-    size seen, then generalised) and `many_rows_options`."""
+    with INT8 weights); for several, one graph for any number and `many_rows_options`.
+    `rows_first`: every tensor argument of `fn` has its rows first, and the function returned
+    marks them dynamic at each call (`rows_dynamic`); a several-row function with other
+    arguments has its callers mark its rows."""
     from torch._inductor import config
 
     options = dict(one_row_options if one_row else many_rows_options)
@@ -45,4 +58,13 @@ def compile_decode(fn, one_row: bool, tune: bool = True, int8: bool = False, one
     # An option this torch lacks is left out (torch.compile would refuse it): the stock
     # inference container's torch 2.6 has no static launcher to turn off.
     options = {k: v for k, v in options.items() if _has_option(config, k)}
-    return torch.compile(fn, fullgraph=True, dynamic=False if one_row else None, options=options)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False if one_row else None, options=options)
+    if one_row or not rows_first:
+        return compiled
+
+    @functools.wraps(fn)
+    def rows_marked(*args, **kwargs):
+        rows_dynamic(*(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)))
+        return compiled(*args, **kwargs)
+
+    return rows_marked

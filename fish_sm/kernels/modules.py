@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from fish_sm.kernels import decode_attention, row_products, split_products
+from fish_sm.kernels.compile import rows_dynamic
 from fish_sm.kernels.lora import Adapted, LoraLinear
 from fish_sm.model.dual_ar import Attention, DualARTransformer, TransformerBlock
 from fish_sm.model.layers import RMSNorm
@@ -140,13 +141,19 @@ class KernelBlock(TransformerBlock):
             # the CPU that code wrote wrong cache entries.
             for t, dim in ((x, 1), (rope, rope.dim() - 3), (input_pos, input_pos.dim() - 1)):
                 torch._dynamo.mark_static(t, dim)
+            # The rows: the slow layers' positions and RoPE are per row, the fast pair's shared.
+            rows_dynamic(x, rows, *((rope, input_pos) if input_pos.dim() > 1 else ()))
         pre, post = self.compiled[x.shape[0] > 1]
         if rows is None:
             q = pre(self, x, rope, input_pos)
             k, v = self.attention.kv_cache.read(live, 0, x.shape[0])
-            return post(self, x, self.attention.over(q, k, v, input_pos, live, mask))
-        q = pre(self, x, rope, input_pos, rows)
-        return post(self, x, self.attention.over_rows(q, rows, input_pos, live, mask))
+            y = self.attention.over(q, k, v, input_pos, live, mask)
+        else:
+            q = pre(self, x, rope, input_pos, rows)
+            y = self.attention.over_rows(q, rows, input_pos, live, mask)
+        if x.shape[0] > 1:
+            rows_dynamic(y)
+        return post(self, x, y)
 
     def _pre_attention_writing(self, x: Tensor, rope: Tensor, input_pos: Tensor, rows: Tensor | None = None) -> Tensor:
         """`_pre_attention`, then k/v into cache rows 0..B-1 (or `rows`) at input_pos ([S], or
