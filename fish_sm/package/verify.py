@@ -32,13 +32,15 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _verified: dict[tuple[str, str], tuple] = {}
 
 
-def verify_package(model_dir, manifest_sha256: str = "") -> bool:
+def verify_package(model_dir, manifest_sha256: str = "", token: str | None = None) -> bool:
     """True for a package whose files all match its manifest.json; False for a plain checkpoint
     directory (no manifest.json and no pinned sha256). Anything else raises CheckpointError
     naming the first bad file.
 
     A directory verified earlier in this process is not hashed again while every file's
-    size, times and inode are unchanged (the batching server checks before it loads each GPU).
+    size, times and inode are unchanged, nor one whose `token` (`verified_token`, from the
+    process that started this one and verified it) still matches them: the batching server's
+    front end verifies a package once, and its engine cores skip the seconds of hashing it again.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -55,6 +57,10 @@ def verify_package(model_dir, manifest_sha256: str = "") -> bool:
                      for name, st in sorted(found.items()))
     key = (str(root), manifest_sha256)
     if _verified.get(key) == snapshot:
+        return True
+    if token is not None and token == _token(key, snapshot):
+        _verified[key] = snapshot
+        logger.info("%s: files unchanged since the process that started this one verified them", model_dir)
         return True
     if MANIFEST not in found:
         raise CheckpointError(f"{model_dir / MANIFEST}: not a regular file")
@@ -86,6 +92,20 @@ def verify_package(model_dir, manifest_sha256: str = "") -> bool:
     logger.info("verified %d files (%.1f MB) against %s in %.2f s", len(listed),
                 sum(size for size, _ in listed.values()) / 1e6, MANIFEST, time.perf_counter() - t0)
     return True
+
+
+def verified_token(model_dir, manifest_sha256: str = "") -> str | None:
+    """A digest of `model_dir`'s files (each one's size, times and inode) as this process
+    verified them, for a process it starts to pass to `verify_package`; None where this process
+    has not verified it. A file changed since (even rewritten with the same bytes) changes its
+    times, and the other process then hashes the directory itself."""
+    key = (str(Path(model_dir).resolve()), manifest_sha256)
+    snapshot = _verified.get(key)
+    return None if snapshot is None else _token(key, snapshot)
+
+
+def _token(key: tuple[str, str], snapshot: tuple) -> str:
+    return hashlib.sha256(json.dumps([list(key), snapshot]).encode()).hexdigest()
 
 
 def file_sha256(path: Path) -> str:

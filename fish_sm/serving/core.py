@@ -56,14 +56,15 @@ def devices() -> list[str]:
     return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
 
 
-def start_engine(model_dir: Path, device: str, settings: Settings):
+def start_engine(model_dir: Path, device: str, settings: Settings, verified: str | None = None):
     """Load, quantize, capture the batched decode steps, warm up, save the compile cache; the
-    model and its started `BatchEngine`."""
+    model and its started `BatchEngine`. `verified`: the front end's token for the package it
+    verified (`verify.verified_token`), which spares the core hashing it again."""
     from fish_sm.engine.batching import BatchEngine
     from fish_sm.engine.engine import freeze_start_up_objects
     from fish_sm.serving.runtime import engine_options, load_model
 
-    model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device)
+    model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device, verified=verified)
     batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
                           horizon_s=settings.stream_horizon_s, step_rows=settings.step_rows,
                           piece_repeats=settings.piece_repeats, **engine_options(settings))
@@ -123,9 +124,9 @@ class Core:
     engine failed. `parent`: the front end's pid, whose death ends the core."""
 
     def __init__(self, model_dir: Path, device: str, addresses: ipc.CoreAddresses, settings: Settings,
-                 parent: int | None = None):
+                 parent: int | None = None, verified: str | None = None):
         self.model_dir, self.device, self.addresses, self.settings = model_dir, device, addresses, settings
-        self.parent = parent
+        self.parent, self.verified = parent, verified
         self.model = self.batcher = None
         self._context = zmq.Context()
         self._commands: zmq.Socket | None = None
@@ -160,7 +161,7 @@ class Core:
             if self.device == "auto":
                 self.device = all_devices[0]
             self._send(ipc.Hello(os.getpid(), self.device, all_devices))
-            self.model, self.batcher = start_engine(self.model_dir, self.device, self.settings)
+            self.model, self.batcher = start_engine(self.model_dir, self.device, self.settings, self.verified)
         except BaseException as exc:
             message, expected = start_up_failure(exc)
             if not expected:
@@ -536,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commands", required=True, help="the ipc:// address to bind and read commands from")
     parser.add_argument("--events", required=True, help="the front end's ipc:// address to send events to")
     parser.add_argument("--parent", type=int, required=True, help="the front end's pid")
+    parser.add_argument("--verified", help="the front end's token for the package it verified (verify.verified_token)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end drains first, then sends Shutdown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -543,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
     addresses = ipc.CoreAddresses(args.commands, args.events)
-    core = Core(args.model_dir, args.device, addresses, settings, parent=args.parent)
+    core = Core(args.model_dir, args.device, addresses, settings, parent=args.parent, verified=args.verified)
     return core.run()
 
 

@@ -29,8 +29,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from fish_sm.package.verify import verified_token
 from fish_sm.serving import ipc
 from fish_sm.serving.errors import AdapterFailed, Busy, HTTPError
+from fish_sm.settings import Settings
 
 logger = logging.getLogger("fish_sm.serving")
 
@@ -106,10 +108,12 @@ class CoreRequest:
 
 def launch_process(model_dir: Path, device: str, addresses: ipc.CoreAddresses) -> subprocess.Popen:
     """A core as a process of its own (a fresh interpreter: nothing forked, nothing pickled),
-    writing its log to ours."""
+    writing its log to ours; with this process's token for the package when it verified it
+    (`check_model_dir`), so that the core does not hash it again."""
+    token = verified_token(model_dir, Settings.from_env().manifest_sha256)
     return subprocess.Popen([sys.executable, "-m", "fish_sm.serving.core", "--model-dir", str(model_dir),
                              "--device", device, "--commands", addresses.commands, "--events", addresses.events,
-                             "--parent", str(os.getpid())])
+                             "--parent", str(os.getpid()), *(["--verified", token] if token else [])])
 
 
 # launch(model_dir, device, addresses) -> a process: .pid, .wait() (blocking, its exit status), .kill()

@@ -50,10 +50,12 @@ class ServingModel:
     adapters: AdapterRegistry | None = None  # LoRA adapters (packaged, S3 sources), when there are any
 
 
-def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn"):
+def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn",
+               verified: str | None = None):
     """The part of start-up both servers share: verify the package, load, quantize, open the
     compile cache, load the packaged voices. Returns the model, the cache (to save once compiled) and
-    the timer that records each phase in `model.timings`."""
+    the timer that records each phase in `model.timings`. `verified`: the token of the process
+    that started this one and verified the package (`verify.verified_token`)."""
     logging.getLogger("fish_sm").setLevel(settings.log_level)
     timings: dict[str, float] = {}
 
@@ -67,7 +69,7 @@ def load_model(model_dir: Path, device: str, settings: Settings, batching: bool 
     from fish_sm.package.verify import verify_package
 
     # Before anything in the directory is read: a tampered package stops here, naming the file.
-    verified = phase("verify", lambda: verify_package(model_dir, settings.manifest_sha256))
+    verified = phase("verify", lambda: verify_package(model_dir, settings.manifest_sha256, token=verified))
     if not verified:
         logger.info("%s has no manifest.json: a plain checkpoint directory, served unverified", model_dir)
     cache = CompileCache(model_dir / "compile_cache", Path(settings.cache_dir) / device.replace(":", ""),

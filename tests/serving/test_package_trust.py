@@ -239,6 +239,37 @@ def test_checked_once_per_process_and_again_after_a_change(package_dir, tmp_path
         check_model_dir(model)
 
 
+def test_a_started_process_trusts_its_parent_s_token_only_for_the_files_it_verified(package_dir, tmp_path,
+                                                                                     monkeypatch):
+    """The front end verifies a package and hands its engine cores a token: a core (here, this
+    process with its own verifications forgotten) skips the hashing while every file is as it
+    was verified under the same pin, and hashes everything again otherwise."""
+    from fish_sm.package import verify
+
+    model = copy_of(package_dir, tmp_path)
+    pin = manifest_sha256(model)
+    assert verify.verified_token(model, pin) is None
+    assert verify_package(model, pin)
+    token = verify.verified_token(model, pin)
+    assert token and verify.verified_token(model, "") is None  # a token is for the pin it was verified under
+
+    hashed = []
+    real_sha256 = verify.file_sha256
+    monkeypatch.setattr(verify, "file_sha256", lambda path: hashed.append(path.name) or real_sha256(path))
+
+    def as_a_new_process(pinned, given):
+        monkeypatch.setattr(verify, "_verified", {})
+        hashed.clear()
+        return verify_package(model, pinned, token=given)
+
+    assert as_a_new_process(pin, token) and hashed == []
+    assert as_a_new_process("", token) and "model.pth" in hashed  # another pin: verified afresh
+    assert as_a_new_process(pin, "0" * 64) and "model.pth" in hashed
+    flip_byte(model / "voices" / "narrator" / "codes.npy")  # the same size, new times
+    with pytest.raises(CheckpointError, match="codes.npy: sha256"):
+        as_a_new_process(pin, token)
+
+
 @pytest.mark.parametrize("field, value", [("transcript", "../../x"), ("transcript", "/etc/hostname"),
                                           ("codes", "../other/codes.npy"), ("codes", "sub/codes.npy")])
 def test_voice_json_paths_stay_in_the_voice_directory(tiny_checkpoint, package_dir, tmp_path, field, value):
