@@ -56,18 +56,23 @@ def devices() -> list[str]:
     return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
 
 
-def start_engine(model_dir: Path, device: str, settings: Settings, verified: str | None = None):
+def start_engine(model_dir: Path, device: str, settings: Settings, verified: str | None = None,
+                 began: float | None = None):
     """Load, quantize, capture the batched decode steps, warm up, save the compile cache; the
     model and its started `BatchEngine`. `verified`: the front end's token for the package it
-    verified (`verify.verified_token`), which spares the core hashing it again."""
+    verified (`verify.verified_token`), which spares the core hashing it again; `began`: when
+    the process started (its phase "start": the interpreter and imports)."""
     from fish_sm.engine.batching import BatchEngine
     from fish_sm.engine.engine import freeze_start_up_objects
     from fish_sm.serving.runtime import engine_options, load_model
 
-    model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device, verified=verified)
-    batcher = BatchEngine(model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue,
-                          horizon_s=settings.stream_horizon_s, step_rows=settings.step_rows,
-                          piece_repeats=settings.piece_repeats, **engine_options(settings))
+    model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device, verified=verified,
+                                     began=began)
+    # "engine": the slots sized to the memory left once the codec's working memory is measured
+    # (by running its back, compiled: on a GPU its first compile or trace).
+    batcher = phase("engine", lambda: BatchEngine(
+        model.engine, max_batch=settings.max_batch, max_queue=settings.max_queue, horizon_s=settings.stream_horizon_s,
+        step_rows=settings.step_rows, piece_repeats=settings.piece_repeats, **engine_options(settings)))
     if model.compiled:
         phase("compile", lambda: batcher.compile(capture_all=settings.capture == "all"))
     batcher.start()
@@ -124,9 +129,9 @@ class Core:
     engine failed. `parent`: the front end's pid, whose death ends the core."""
 
     def __init__(self, model_dir: Path, device: str, addresses: ipc.CoreAddresses, settings: Settings,
-                 parent: int | None = None, verified: str | None = None):
+                 parent: int | None = None, verified: str | None = None, began: float | None = None):
         self.model_dir, self.device, self.addresses, self.settings = model_dir, device, addresses, settings
-        self.parent, self.verified = parent, verified
+        self.parent, self.verified, self.began = parent, verified, began
         self.model = self.batcher = None
         self._context = zmq.Context()
         self._commands: zmq.Socket | None = None
@@ -161,7 +166,8 @@ class Core:
             if self.device == "auto":
                 self.device = all_devices[0]
             self._send(ipc.Hello(os.getpid(), self.device, all_devices))
-            self.model, self.batcher = start_engine(self.model_dir, self.device, self.settings, self.verified)
+            self.model, self.batcher = start_engine(self.model_dir, self.device, self.settings, self.verified,
+                                                    self.began)
         except BaseException as exc:
             message, expected = start_up_failure(exc)
             if not expected:
@@ -530,7 +536,19 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _since_interpreter_start() -> float:
+    """Seconds since this process started (Linux's /proc: its start in clock ticks after boot;
+    0 where there is none)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
+    began = time.perf_counter() - _since_interpreter_start()
     parser = argparse.ArgumentParser(prog="python -m fish_sm.serving.core", description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--device", required=True, help="cuda:N, cpu, or auto (the first device there is)")
@@ -545,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
     addresses = ipc.CoreAddresses(args.commands, args.events)
-    core = Core(args.model_dir, args.device, addresses, settings, parent=args.parent, verified=args.verified)
+    core = Core(args.model_dir, args.device, addresses, settings, parent=args.parent, verified=args.verified,
+                began=began)
     return core.run()
 
 

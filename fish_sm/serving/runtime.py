@@ -51,13 +51,18 @@ class ServingModel:
 
 
 def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn",
-               verified: str | None = None):
+               verified: str | None = None, began: float | None = None):
     """The part of start-up both servers share: verify the package, load, quantize, open the
     compile cache, load the packaged voices. Returns the model, the cache (to save once compiled) and
     the timer that records each phase in `model.timings`. `verified`: the token of the process
-    that started this one and verified the package (`verify.verified_token`)."""
+    that started this one and verified the package (`verify.verified_token`); `began`: when
+    that process's start began (`time.perf_counter()`), its time until this call recorded as
+    the phase "start" (the interpreter, imports)."""
     logging.getLogger("fish_sm").setLevel(settings.log_level)
     timings: dict[str, float] = {}
+    if began is not None:
+        timings["start"] = time.perf_counter() - began
+        logger.info("%s start: %.2f s", label, timings["start"])
 
     def phase(name, fn):
         t0 = time.perf_counter()
