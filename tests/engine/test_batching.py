@@ -766,6 +766,36 @@ def test_batches_queued_ahead_on_the_gpu_give_the_audio_of_batches_run_in_turn_o
         np.testing.assert_array_equal(one, two)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_steady_decoding_never_synchronizes_with_the_gpu_on_cuda(tiny_checkpoint):
+    """Once every stream is admitted, the loop's iterations (the schedule, the step's staged
+    inputs and replay, the stop checks on the frames copied home, the codec's pushes and audio)
+    wait for the GPU only on their events: a `.item()`, `.cpu()`, pageable copy or synchronize,
+    per row or per step, would hold the loop and every launch of the codec's thread with it.
+    Steady decoding of 8 streams runs under torch's sync debug mode set to raise, where such an
+    op fails the engine and so its requests."""
+    frames = 1000
+    batcher = BatchEngine(Engine.from_pretrained(tiny_checkpoint, device="cuda"), max_batch=8, forced_lengths=True,
+                          horizon_s=0.0)  # every stream decodes at every step
+    batcher.compile(capture_all=True)  # nothing left to capture while serving
+    jobs = [Job(TEXTS[i % len(TEXTS)], stream=True, params=SamplingParams(seed=i, max_new_tokens=frames))
+            for i in range(8)]
+    with batcher:
+        tickets = [batcher.submit(job) for job in jobs]
+        _wait(lambda: batcher.load()["active"] == 8)
+        admitted = batcher.steps
+        _wait(lambda: batcher.steps >= admitted + 4)  # past the admissions and first frames
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            began = batcher.steps
+            _wait(lambda: batcher.steps >= began + 50 or not batcher.alive())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert batcher.alive(), repr(batcher.failure)
+        results = [ticket.result() for ticket in tickets]
+    assert [r.frames for r in results] == [frames] * 8
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_an_engine_on_the_second_gpu_gives_the_codes_of_one_on_the_first(tiny_checkpoint):
     """An engine loaded on cuda:1, as the second engine core loads it, runs there (its Triton
