@@ -33,8 +33,8 @@ def _has_option(config, name: str) -> bool:
 def rows_dynamic(*tensors: torch.Tensor | None) -> None:
     """Mark dim 0 (the rows) of each tensor dynamic before a call of a several-row compiled
     function: its first compile then serves every batch size. Unmarked, dynamo compiles the
-    first batch size it sees and, at the second, everything again for any size (on a CPU,
-    15 s of the tiny model's first steps; on a GPU a cold start's second decode capture)."""
+    first batch size it sees and, at the second, everything again for any size: a second
+    compile of every several-row function in a cold start."""
     for t in tensors:
         if t is not None:
             torch._dynamo.maybe_mark_dynamic(t, 0)
