@@ -56,17 +56,17 @@ def devices() -> list[str]:
     return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
 
 
-def start_engine(model_dir: Path, device: str, settings: Settings, verified: str | None = None,
+def start_engine(model_dir: Path, device: str, settings: Settings, token: str | None = None,
                  began: float | None = None):
     """Load, quantize, capture the batched decode steps, warm up, save the compile cache; the
-    model and its started `BatchEngine`. `verified`: the front end's token for the package it
+    model and its started `BatchEngine`. `token`: the front end's token for the package it
     verified (`verify.verified_token`), which spares the core hashing it again; `began`: when
     the process started (its phase "start": the interpreter and imports)."""
     from fish_sm.engine.batching import BatchEngine
     from fish_sm.engine.engine import freeze_start_up_objects
     from fish_sm.serving.runtime import engine_options, load_model
 
-    model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device, verified=verified,
+    model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device, token=token,
                                      began=began)
     # "engine": the slots sized to the memory left once the codec's working memory is measured
     # (by running its back, compiled: on a GPU its first compile or trace).
@@ -129,9 +129,9 @@ class Core:
     engine failed. `parent`: the front end's pid, whose death ends the core."""
 
     def __init__(self, model_dir: Path, device: str, addresses: ipc.CoreAddresses, settings: Settings,
-                 parent: int | None = None, verified: str | None = None, began: float | None = None):
+                 parent: int | None = None, token: str | None = None, began: float | None = None):
         self.model_dir, self.device, self.addresses, self.settings = model_dir, device, addresses, settings
-        self.parent, self.verified, self.began = parent, verified, began
+        self.parent, self.token, self.began = parent, token, began
         self.model = self.batcher = None
         self._context = zmq.Context()
         self._commands: zmq.Socket | None = None
@@ -166,7 +166,7 @@ class Core:
             if self.device == "auto":
                 self.device = all_devices[0]
             self._send(ipc.Hello(os.getpid(), self.device, all_devices))
-            self.model, self.batcher = start_engine(self.model_dir, self.device, self.settings, self.verified,
+            self.model, self.batcher = start_engine(self.model_dir, self.device, self.settings, self.token,
                                                     self.began)
         except BaseException as exc:
             message, expected = start_up_failure(exc)
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
     addresses = ipc.CoreAddresses(args.commands, args.events)
-    core = Core(args.model_dir, args.device, addresses, settings, parent=args.parent, verified=args.verified,
+    core = Core(args.model_dir, args.device, addresses, settings, parent=args.parent, token=args.verified,
                 began=began)
     return core.run()
 

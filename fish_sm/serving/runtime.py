@@ -51,10 +51,10 @@ class ServingModel:
 
 
 def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn",
-               verified: str | None = None, began: float | None = None):
+               token: str | None = None, began: float | None = None):
     """The part of start-up both servers share: verify the package, load, quantize, open the
     compile cache, load the packaged voices. Returns the model, the cache (to save once compiled) and
-    the timer that records each phase in `model.timings`. `verified`: the token of the process
+    the timer that records each phase in `model.timings`. `token`: the token of the process
     that started this one and verified the package (`verify.verified_token`); `began`: when
     that process's start began (`time.perf_counter()`), its time until this call recorded as
     the phase "start" (the interpreter, imports)."""
@@ -74,7 +74,7 @@ def load_model(model_dir: Path, device: str, settings: Settings, batching: bool 
     from fish_sm.package.verify import verify_package
 
     # Before anything in the directory is read: a tampered package stops here, naming the file.
-    verified = phase("verify", lambda: verify_package(model_dir, settings.manifest_sha256, token=verified))
+    verified = phase("verify", lambda: verify_package(model_dir, settings.manifest_sha256, token=token))
     if not verified:
         logger.info("%s has no manifest.json: a plain checkpoint directory, served unverified", model_dir)
     cache = CompileCache(model_dir / "compile_cache", Path(settings.cache_dir) / device.replace(":", ""),
