@@ -10,6 +10,14 @@ FISH_SM_MAX_SEQ_LEN, ...), as a deployed server takes them.
 One JSON line per start (seconds to a healthy /ping, the server's own log lines about its
 slots and graphs, the first request's status and first audio); DIR/ping_time.json.
 
+Python's bytecode: our image's `pip install` writes every module's `.pyc`, so a container
+imports torch from bytecode; a machine whose packages were installed without it (`pip install
+--no-compile`, or PYTHONDONTWRITEBYTECODE) compiles torch's sources at every start instead
+(seconds on every process, every start). By default (`--bytecode image`) the script first
+compiles every module on the server's path into DIR/pycache and starts the servers with
+PYTHONPYCACHEPREFIX pointing there, as the image would run; `--bytecode as-is` starts them as
+the machine is.
+
 `--steady LEVELS`: after the first request, each packaged start also waits until its server
 logs every graph captured (the decode steps' and the codec's: `FISH_SM_CAPTURE=early` captures
 them while serving), then runs `fish-sm bench --stream` at each of those concurrencies (a level
@@ -70,18 +78,56 @@ def steady(url: str, levels: str, requests: int, max_new_tokens: int, out: Path)
     return results
 
 
+def compile_bytecode(prefix: Path) -> dict:
+    """Every module on this interpreter's path (the standard library, site-packages, ours)
+    compiled to bytecode under `prefix` (PYTHONPYCACHEPREFIX: Python then reads bytecode only
+    there), as the image's `pip install` writes it beside the sources."""
+    shutil.rmtree(prefix, ignore_errors=True)
+    roots = [p for p in dict.fromkeys(sys.path) if p and Path(p).is_dir()]
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *roots],
+                         env={**os.environ, "PYTHONPYCACHEPREFIX": str(prefix)}, capture_output=True, text=True)
+    files = sum(1 for _ in prefix.rglob("*.pyc"))
+    return {"bytecode": "image", "pycache_prefix": str(prefix), "compiled_s": round(time.perf_counter() - t0, 1),
+            "pyc_files": files, "compileall_status": run.returncode}  # (a few test files fail to compile: status 1)
+
+
+READY = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO fish_sm\.serving: (\S+) ready with \d+ slots "
+                   r"in ([\d.]+) s \((.*)\)$")
+
+
+def cores(log_path: Path, launched: float) -> list[dict]:
+    """Each engine core's start from its log line "DEVICE ready with N slots in T s (phase X s, ...)":
+    when its process began, in seconds after `fish-sm serve` was launched (the front end's part:
+    its imports, and the core's process start), and its phases (the "start" phase: the core's
+    interpreter, imports and CUDA context; "verify": what it then waited for the front end's
+    verification, and its own check)."""
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        m = READY.match(line.strip())
+        if m:
+            stamp, ms, device, total, phases = m.groups()
+            ready = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
+            out.append({"device": device, "process_began_s": round(ready - float(total) - launched, 2),
+                        "phases": {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", phases)}})
+    return out
+
+
 def start(model: Path, cache_dir: Path, port: int, log_path: Path, bench: dict | None = None,
-          capture: str | None = None) -> dict:
+          capture: str | None = None, pycache: Path | None = None) -> dict:
     """Start `fish-sm serve MODEL`, wait for a healthy /ping, send one streamed request; with
-    `bench` (`steady`'s arguments but the URL), wait for every graph, then bench it; stop it."""
+    `bench` (`steady`'s arguments but the URL), wait for every graph, then bench it; stop it.
+    `pycache`: PYTHONPYCACHEPREFIX for the server (`compile_bytecode`)."""
     env = {**os.environ, "FISH_SM_CACHE_DIR": str(cache_dir)}
+    if pycache is not None:
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
     if bench is not None:  # the server's speed, not the listeners' playback (see the module's doc)
         env["FISH_SM_STREAM_HORIZON_S"] = "0"
     if capture:
         env["FISH_SM_CAPTURE"] = capture
     result: dict = {}
     log = open(log_path, "w")
-    t0 = time.perf_counter()
+    launched, t0 = time.time(), time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "fish_sm.cli", "serve", str(model), "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -115,7 +161,8 @@ def start(model: Path, cache_dir: Path, port: int, log_path: Path, bench: dict |
         proc.wait(timeout=60)
         log.close()
     lines = [line.strip() for line in open(log_path) if any(m in line for m in LOG_MARKS)]
-    return {"ping_healthy_s": healthy, "first_request_status": status, "first_audio_s": first, **result, "log": lines}
+    return {"ping_healthy_s": healthy, "first_request_status": status, "first_audio_s": first, **result,
+            "cores": cores(log_path, launched), "log": lines}
 
 
 def main() -> None:
@@ -131,13 +178,21 @@ def main() -> None:
     ap.add_argument("--steady-requests", type=int, default=32,
                     help="requests per --steady level, at least the level's concurrency")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="frames per --steady request")
+    ap.add_argument("--bytecode", choices=("image", "as-is"), default="image",
+                    help="image: the servers import from bytecode compiled first, as in our image (see above)")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     results = []
+    pycache = None
+    if args.bytecode == "image":
+        pycache = work / "pycache"
+        bytecode = compile_bytecode(pycache)
+        print(json.dumps(bytecode), flush=True)
+        results.append(bytecode)
     cold_cache = args.cache or work / "cache-cold"
     if args.cache is None:
-        cold = {"start": "cold", **start(args.checkpoint, cold_cache, args.port, work / "cold.log")}
+        cold = {"start": "cold", **start(args.checkpoint, cold_cache, args.port, work / "cold.log", pycache=pycache)}
         print(json.dumps(cold), flush=True)
         results.append(cold)
     # The package as SageMaker unpacks model.tar.gz into /opt/ml/model (no tarball in between).
@@ -154,14 +209,14 @@ def main() -> None:
                  "out": work / "bench-early"}
     label = "package with its compile cache" if built is not None else "package"
     packaged = {"start": label,
-                **start(unpacked, work / "cache-fresh", args.port, work / "packaged.log", bench)}
+                **start(unpacked, work / "cache-fresh", args.port, work / "packaged.log", bench, pycache=pycache)}
     print(json.dumps(packaged), flush=True)
     results.append(packaged)
     if bench is not None:
         shutil.rmtree(work / "cache-all", ignore_errors=True)
         everything = {"start": f"{label}, FISH_SM_CAPTURE=all",
                       **start(unpacked, work / "cache-all", args.port, work / "packaged-all.log",
-                              {**bench, "out": work / "bench-all"}, capture="all")}
+                              {**bench, "out": work / "bench-all"}, capture="all", pycache=pycache)}
         print(json.dumps(everything), flush=True)
         results.append(everything)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ from aiohttp import web
 from fish_sm.cloudwatch_metrics import STATE_INTERVAL_S
 from fish_sm.contract import AUDIO_TYPES, TTSRequest, check_text
 from fish_sm.errors import FishSMError, InputError
+from fish_sm.package.verify import verified_token, verify_package
 from fish_sm.serving import audio as audio_out
 from fish_sm.serving import bidi, ipc
 from fish_sm.serving.adapters import AdapterRegistry, adapter_label, resolve_adapters
@@ -83,15 +84,20 @@ class BatchingApp:
         app["state_metrics"] = asyncio.create_task(self._report_state())
 
     async def _load(self) -> None:
-        """Start the first core, then (once it has said which devices there are) one for each
-        other device; all load at once, and /ping answers meanwhile."""
+        """Start the first core, hash the package while it starts, then (once it has said which
+        devices there are) start one for each other device; all load at once, and /ping answers
+        meanwhile. A core reads nothing in the model directory until it is told the package was
+        verified (`ipc.Verified`); a package that fails verification stops the server first."""
         try:
             self._context = zmq.Context()
             self._directory = ipc.private_directory()
             first = self._start_core(0, "auto")
+            loop = asyncio.get_running_loop()
+            token = await loop.run_in_executor(None, self._verify)
+            first.verified(token)
             hello = await first.hello
             for index, device in enumerate(hello.devices[1:], 1):
-                self._start_core(index, device)
+                self._start_core(index, device).verified(token)
             pending = {core.ready for core in self.cores}
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -111,6 +117,12 @@ class BatchingApp:
                 logger.exception("start-up failed")  # a bug: its traceback belongs in the log
         if self.failed:
             self.stopping.set()  # a server that cannot serve exits, so the platform sees it fail
+
+    def _verify(self) -> str | None:
+        """Verify the package (`verify_package`; a plain checkpoint directory has nothing to
+        verify): the token its cores check their files against, or None for a plain directory."""
+        pin = self.settings.manifest_sha256
+        return verified_token(self.model_dir, pin) if verify_package(self.model_dir, pin) else None
 
     def _start_core(self, index: int, device: str) -> EngineCore:
         core = EngineCore(index, device, self._directory, self.model_dir, self._context, self._launch)
@@ -380,7 +392,7 @@ def make_app(model_dir: Path, settings: Settings, launch: Launch = launch_proces
 
 def serve(cfg: ServerConfig) -> int:
     """Run the batching server in the foreground until SIGTERM or SIGINT."""
-    check_model_dir(cfg.model_dir)
+    check_model_dir(cfg.model_dir, verify=False)  # hashed once the first core is starting (`BatchingApp._load`)
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("fish_sm").setLevel(settings.log_level)

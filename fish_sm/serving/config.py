@@ -22,9 +22,11 @@ class ServerConfig:
     response_timeout: int = 900  # seconds for one request: long texts on a busy worker
 
 
-def check_model_dir(model_dir: Path) -> None:
+def check_model_dir(model_dir: Path, verify: bool = True) -> None:
     """A package directory (every file verified against its manifest.json, and against
-    FISH_SM_MANIFEST_SHA256 when set) or a plain checkpoint directory: the checkpoint files at the top."""
+    FISH_SM_MANIFEST_SHA256 when set) or a plain checkpoint directory: the checkpoint files at the top.
+    `verify=False`: the files' presence only (the batching server hashes the package once its
+    engine cores are starting, and they read nothing until it has)."""
     from fish_sm.package.verify import verify_package
 
     if not model_dir.is_dir():
@@ -35,5 +37,5 @@ def check_model_dir(model_dir: Path) -> None:
             missing.append(stem + ".pth")
     if missing:
         raise CheckpointError(f"{model_dir}: not a checkpoint or package directory (missing {', '.join(missing)})")
-    # Verified here, before Java or any engine starts; load_model's own check in this process then finds it verified.
-    verify_package(model_dir, Settings.from_env().manifest_sha256)
+    if verify:  # before Java or any engine starts; load_model's own check in this process then finds it verified
+        verify_package(model_dir, Settings.from_env().manifest_sha256)

@@ -56,18 +56,37 @@ def devices() -> list[str]:
     return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
 
 
+def prepare(device: str, settings: Settings) -> None:
+    """What a core does before it may read the model directory, while the front end hashes the
+    package: import the engine (torch, and the compiler where it will compile) and create the
+    GPU's CUDA context."""
+    import torch
+
+    import fish_sm.engine.batching  # noqa: F401
+    import fish_sm.serving.runtime  # noqa: F401
+    from fish_sm.engine.engine import resolve_device
+
+    resolved = resolve_device(device)  # a GPU named by its index becomes the current device
+    if settings.use_compile(resolved.type):
+        import torch._inductor.compile_fx  # noqa: F401  (and dynamo with it)
+    if resolved.type == "cuda":
+        torch.empty(0, device=resolved)
+
+
 def start_engine(model_dir: Path, device: str, settings: Settings, token: str | None = None,
-                 began: float | None = None):
+                 began: float | None = None, prepared: float | None = None):
     """Load, quantize, capture the batched decode steps, warm up, save the compile cache; the
     model and its started `BatchEngine`. `token`: the front end's token for the package it
     verified (`verify.verified_token`), which spares the core hashing it again; `began`: when
-    the process started (its phase "start": the interpreter and imports)."""
+    the process started (its phase "start": the interpreter, imports, `prepare`); `prepared`:
+    when `prepare` ended, after which the core waited for the front end's verification (counted
+    in the phase "verify")."""
     from fish_sm.engine.batching import BatchEngine
     from fish_sm.engine.engine import freeze_start_up_objects
     from fish_sm.serving.runtime import engine_options, load_model
 
     model, cache, phase = load_model(model_dir, device, settings, batching=True, label=device, token=token,
-                                     began=began)
+                                     began=began, prepared=prepared)
     # "engine": the slots sized to the memory left once the codec's working memory is measured
     # (by running its back, compiled: on a GPU its first compile or trace).
     batcher = phase("engine", lambda: BatchEngine(
@@ -129,9 +148,9 @@ class Core:
     engine failed. `parent`: the front end's pid, whose death ends the core."""
 
     def __init__(self, model_dir: Path, device: str, addresses: ipc.CoreAddresses, settings: Settings,
-                 parent: int | None = None, token: str | None = None, began: float | None = None):
+                 parent: int | None = None, began: float | None = None):
         self.model_dir, self.device, self.addresses, self.settings = model_dir, device, addresses, settings
-        self.parent, self.token, self.began = parent, token, began
+        self.parent, self.began = parent, began
         self.model = self.batcher = None
         self._context = zmq.Context()
         self._commands: zmq.Socket | None = None
@@ -166,8 +185,13 @@ class Core:
             if self.device == "auto":
                 self.device = all_devices[0]
             self._send(ipc.Hello(os.getpid(), self.device, all_devices))
-            self.model, self.batcher = start_engine(self.model_dir, self.device, self.settings, self.token,
-                                                    self.began)
+            prepare(self.device, self.settings)
+            prepared = time.perf_counter()
+            verified = self._wait_for_verification()
+            if isinstance(verified, int):
+                return verified
+            self.model, self.batcher = start_engine(self.model_dir, self.device, self.settings, verified.token,
+                                                    self.began, prepared)
         except BaseException as exc:
             message, expected = start_up_failure(exc)
             if not expected:
@@ -180,6 +204,26 @@ class Core:
         self._send(ipc.Ready(load["slots"], load["max_queue"], self.model.engine.sample_rate, sorted(self.model.voices),
                              dict(self.model.timings)))
         return self._serve()
+
+    def _wait_for_verification(self) -> ipc.Verified | int:
+        """The front end's word that the model directory may be read; an exit status if it said
+        to shut down instead (0) or has gone (1)."""
+        while True:
+            if self._commands.poll(POLL_MS):
+                try:
+                    command = ipc.decode_command(self._commands.recv_multipart())
+                except ipc.BadMessage as exc:
+                    logger.warning("%s: a message that is not a command was ignored (%s)", self.device, exc)
+                    continue
+                if isinstance(command, ipc.Verified):
+                    return command
+                if isinstance(command, ipc.Shutdown):
+                    self._stopping = True
+                    return 0
+                logger.warning("%s: %s before the package was verified, ignored", self.device, type(command).__name__)
+            elif self.parent is not None and os.getppid() != self.parent:
+                self._stopping = True  # nobody to tell
+                return 1
 
     def _serve(self) -> int:
         """Commands until `Shutdown` (0), the engine's failure or the front end's death (1)."""
@@ -555,7 +599,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commands", required=True, help="the ipc:// address to bind and read commands from")
     parser.add_argument("--events", required=True, help="the front end's ipc:// address to send events to")
     parser.add_argument("--parent", type=int, required=True, help="the front end's pid")
-    parser.add_argument("--verified", help="the front end's token for the package it verified (verify.verified_token)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end drains first, then sends Shutdown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -563,8 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
     addresses = ipc.CoreAddresses(args.commands, args.events)
-    core = Core(args.model_dir, args.device, addresses, settings, parent=args.parent, token=args.verified,
-                began=began)
+    core = Core(args.model_dir, args.device, addresses, settings, parent=args.parent, began=began)
     return core.run()
 
 

@@ -29,10 +29,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from fish_sm.package.verify import verified_token
 from fish_sm.serving import ipc
 from fish_sm.serving.errors import AdapterFailed, Busy, HTTPError
-from fish_sm.settings import Settings
 
 logger = logging.getLogger("fish_sm.serving")
 
@@ -108,12 +106,10 @@ class CoreRequest:
 
 def launch_process(model_dir: Path, device: str, addresses: ipc.CoreAddresses) -> subprocess.Popen:
     """A core as a process of its own (a fresh interpreter: nothing forked, nothing pickled),
-    writing its log to ours; with this process's token for the package when it verified it
-    (`check_model_dir`), so that the core does not hash it again."""
-    token = verified_token(model_dir, Settings.from_env().manifest_sha256)
+    writing its log to ours. It reads nothing in `model_dir` until `EngineCore.verified`."""
     return subprocess.Popen([sys.executable, "-m", "fish_sm.serving.core", "--model-dir", str(model_dir),
                              "--device", device, "--commands", addresses.commands, "--events", addresses.events,
-                             "--parent", str(os.getpid()), *(["--verified", token] if token else [])])
+                             "--parent", str(os.getpid())])
 
 
 # launch(model_dir, device, addresses) -> a process: .pid, .wait() (blocking, its exit status), .kill()
@@ -130,6 +126,7 @@ class EngineCore:
         self.addresses = ipc.CoreAddresses.of(directory, index)
         self.model_dir, self._context, self._launch = model_dir, context, launch
         self.state = "starting"
+        self._told_to_stop = False  # sent Shutdown (a core still starting is killed instead)
         self.process = None
         self.pid: int | None = None
         self.returncode: int | None = None
@@ -170,12 +167,18 @@ class EngineCore:
         self._reader = self._loop.create_task(self._read())
         threading.Thread(target=self._wait_for_exit, name=f"fish-sm-core-{self.index}-exit", daemon=True).start()
 
+    def verified(self, token: str | None) -> None:
+        """Let the core read the model directory: the package's token (`verify.verified_token`),
+        or None for a plain checkpoint directory."""
+        self._send(ipc.Verified(token))
+
     async def stop(self) -> None:
         """Tell a serving core to shut down and wait for it (killed after SHUTDOWN_TIMEOUT_S); kill
         one still starting at once (it holds no request). Then close our sockets."""
         if self.process is not None and self.returncode is None:
             if self.state in ("serving", "stopped"):
                 self.state = "stopping"
+                self._told_to_stop = True
                 self._send(ipc.Shutdown())
                 try:
                     await asyncio.wait_for(self._exited.wait(), SHUTDOWN_TIMEOUT_S)
@@ -217,8 +220,8 @@ class EngineCore:
                 future.set_exception(StartFailure(f"the engine core for {self.device} exited with status {code} "
                                                   "before it was ready", expected=False))
         served = self.ready.done() and not self.ready.cancelled() and self.ready.exception() is None
-        if stopping:
-            logger.info("%s stopped (exit status %s)", self, code)
+        if stopping:  # (a core killed while starting, when the start failed elsewhere, is not news)
+            logger.log(logging.INFO if self._told_to_stop else logging.DEBUG, "%s stopped (exit status %s)", self, code)
         elif served:
             logger.error("%s exited with status %s; %s", self, code, "this instance is unhealthy")
         self._fail_all(503, f"the engine core on {self.device} has stopped; this instance is unhealthy")

@@ -95,7 +95,17 @@ class Shutdown(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """Stop the engine and exit 0 (the front end has drained its requests)."""
 
 
-Command = Submit | OpenSession | Speak | Close | Clear | Cancel | ForgetAdapter | Shutdown
+class Verified(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """The front end has checked the model directory: the core may read it now. A core starts
+    (its interpreter, imports, CUDA) while the front end hashes the package, and waits for this
+    before it reads a file. `token`: `verify.verified_token` for a package (the core then checks
+    its files are those hashed instead of hashing them again); None for a plain checkpoint
+    directory, which has nothing to verify."""
+
+    token: str | None
+
+
+Command = Submit | OpenSession | Speak | Close | Clear | Cancel | ForgetAdapter | Shutdown | Verified
 
 
 # -- core to front end ------------------------------------------------------------------------

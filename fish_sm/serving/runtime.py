@@ -51,21 +51,23 @@ class ServingModel:
 
 
 def load_model(model_dir: Path, device: str, settings: Settings, batching: bool = False, label: str = "model_fn",
-               token: str | None = None, began: float | None = None):
+               token: str | None = None, began: float | None = None, prepared: float | None = None):
     """The part of start-up both servers share: verify the package, load, quantize, open the
     compile cache, load the packaged voices. Returns the model, the cache (to save once compiled) and
     the timer that records each phase in `model.timings`. `token`: the token of the process
     that started this one and verified the package (`verify.verified_token`); `began`: when
-    that process's start began (`time.perf_counter()`), its time until this call recorded as
-    the phase "start" (the interpreter, imports)."""
+    this process's start began (`time.perf_counter()`), its time until `prepared` (or this call)
+    recorded as the phase "start" (the interpreter, imports); `prepared`: when it began to wait
+    for that other process's verification, counted in the phase "verify"."""
     logging.getLogger("fish_sm").setLevel(settings.log_level)
     timings: dict[str, float] = {}
+    now = time.perf_counter()
     if began is not None:
-        timings["start"] = time.perf_counter() - began
+        timings["start"] = (prepared or now) - began
         logger.info("%s start: %.2f s", label, timings["start"])
 
-    def phase(name, fn):
-        t0 = time.perf_counter()
+    def phase(name, fn, since: float | None = None):
+        t0 = time.perf_counter() if since is None else since
         out = fn()
         timings[name] = time.perf_counter() - t0
         logger.info("%s %s: %.2f s", label, name, timings[name])
@@ -74,7 +76,7 @@ def load_model(model_dir: Path, device: str, settings: Settings, batching: bool 
     from fish_sm.package.verify import verify_package
 
     # Before anything in the directory is read: a tampered package stops here, naming the file.
-    verified = phase("verify", lambda: verify_package(model_dir, settings.manifest_sha256, token=token))
+    verified = phase("verify", lambda: verify_package(model_dir, settings.manifest_sha256, token=token), since=prepared)
     if not verified:
         logger.info("%s has no manifest.json: a plain checkpoint directory, served unverified", model_dir)
     cache = CompileCache(model_dir / "compile_cache", Path(settings.cache_dir) / device.replace(":", ""),

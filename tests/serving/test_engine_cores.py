@@ -6,6 +6,7 @@ turns /ping unhealthy; and a core on its own, driven over its sockets as the fro
 it. (Draining on SIGTERM: test_batching_server.py's last test.)"""
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -113,12 +114,11 @@ def test_messages_that_are_not_the_protocols_are_refused_without_harm(cores_serv
     assert "Traceback" not in log.read_text()
 
 
-def test_a_core_on_its_own_speaks_the_protocol_and_drops_a_request_cancelled_while_its_reference_is_encoded(
-        package_dir, tmp_path, tone, encode_audio):
-    """A core (run by a thread here, its sockets as the front end binds them): Hello and Ready,
-    each event in order with audio as raw float32 frames, a request cancelled right after it was
-    sent never reaching the engine (whether its reference was waiting or being encoded), the
-    next one served, and Shutdown ending it with status 0."""
+@contextlib.contextmanager
+def core_on_its_own(model_dir, tmp_path):
+    """A core run by a thread here, its sockets as the front end binds them: yields the core, the
+    front end's two sockets (events to read, commands to send) and the list its exit status
+    goes to."""
     from fish_sm.serving.core import Core
     from fish_sm.settings import Settings
 
@@ -129,18 +129,51 @@ def test_a_core_on_its_own_speaks_the_protocol_and_drops_a_request_cancelled_whi
     events, commands = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     events.bind(addresses.events)
     commands.connect(addresses.commands)
-    core, codes = Core(package_dir, "auto", addresses, settings), []
+    core, codes = Core(model_dir, "auto", addresses, settings), []
     thread = threading.Thread(target=lambda: codes.append(core.run()), daemon=True)
     thread.start()
     try:
-        def receive(until):
-            got = []
-            while not any(until(event) for event, _ in got):
-                assert events.poll(60_000), got
-                got += ipc.decode_events(events.recv_multipart())
-            return got
+        yield core, events, commands, codes
+        thread.join(30)
+        assert not thread.is_alive()
+    finally:
+        commands.close(linger=0)
+        events.close(linger=0)
+        context.term()
+        shutil.rmtree(directory, ignore_errors=True)
 
-        hello, ready = [e for e, _ in receive(lambda e: isinstance(e, ipc.Ready)) if not isinstance(e, ipc.Load)]
+
+def received(events, until) -> list:
+    """(event, samples) from the core until one satisfies `until`."""
+    got = []
+    while not any(until(event) for event, _ in got):
+        assert events.poll(60_000), got
+        got += ipc.decode_events(events.recv_multipart())
+    return got
+
+
+def test_a_core_reads_nothing_in_the_model_directory_until_the_front_end_has_verified_it(tmp_path):
+    """A core starts (imports, its device) while the front end hashes the package, then waits for
+    its word. Its model directory here does not exist, so any read would fail its start
+    (StartFailed, status 1): told to shut down instead, it exits 0 having said only Hello."""
+    with core_on_its_own(tmp_path / "not-there", tmp_path) as (core, events, commands, codes):
+        [(hello, _)] = received(events, lambda e: isinstance(e, ipc.Hello))
+        commands.send(ipc.encode_command(ipc.Shutdown()))
+    assert hello.device == "cpu" and codes == [0] and core.model is None and core.batcher is None
+
+
+def test_a_core_on_its_own_speaks_the_protocol_and_drops_a_request_cancelled_while_its_reference_is_encoded(
+        package_dir, tmp_path, tone, encode_audio):
+    """A core (run by a thread here, its sockets as the front end binds them): Hello, then, once
+    told the package is verified, Ready; each event in order with audio as raw float32 frames, a
+    request cancelled right after it was sent never reaching the engine (whether its reference
+    was waiting or being encoded), the next one served, and Shutdown ending it with status 0."""
+    from fish_sm.settings import Settings
+
+    settings = Settings.from_env(QUICK_ENV)
+    with core_on_its_own(package_dir, tmp_path) as (core, events, commands, codes):
+        commands.send(ipc.encode_command(ipc.Verified(None)))  # no token: the core verifies the package itself
+        hello, ready = [e for e, _ in received(events, lambda e: isinstance(e, ipc.Ready)) if not isinstance(e, ipc.Load)]
         assert (hello.device, hello.devices, ready.voices, ready.sample_rate) == ("cpu", ["cpu"], ["narrator"], 44100)
         pieces = core.batcher.scheduler.pieces  # the settings' schedule, one for the scheduler and the codec
         assert pieces is core.batcher._codec.codec.schedule and pieces.repeats == settings.piece_repeats == 3
@@ -154,7 +187,7 @@ def test_a_core_on_its_own_speaks_the_protocol_and_drops_a_request_cancelled_whi
         commands.send(ipc.encode_command(ipc.Cancel(1)))
         commands.send(ipc.encode_command(ipc.Submit(2, job(voice="narrator", stream=True))))
         commands.send(ipc.encode_command(ipc.Submit(3, job(reference=recording, reference_text="A tone."))))
-        got = receive(lambda e: isinstance(e, ipc.Done) and e.id == 3)
+        got = received(events, lambda e: isinstance(e, ipc.Done) and e.id == 3)
         by_id = {}
         for event, samples in got:
             if hasattr(event, "id"):
@@ -165,13 +198,7 @@ def test_a_core_on_its_own_speaks_the_protocol_and_drops_a_request_cancelled_whi
         assert audio and all(a.dtype == "float32" for a in audio) and sum(map(len, audio)) == 4 * 2048
         assert [kind for kind, _ in by_id[3]] == ["Admitted", "Audio", "Done"]  # the encoder went on
         commands.send(ipc.encode_command(ipc.Shutdown()))
-        thread.join(30)
-        assert codes == [0]
-    finally:
-        commands.close(linger=0)
-        events.close(linger=0)
-        context.term()
-        shutil.rmtree(directory, ignore_errors=True)
+    assert codes == [0]
 
 
 async def a_session_then_its_core_dies(url: str, kill) -> list:

@@ -79,3 +79,7 @@ def test_image_installs_the_declared_stack_and_what_serving_needs():
     assert "python3 -m venv $VIRTUAL_ENV" in lines and 'pip install "/src[serve]"' in lines
     assert "LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true" in text
     assert "COPY deploy/serve /usr/local/bin/serve" in text and 'CMD ["serve"]' in text
+    # pip writes every module's bytecode (PYTHONDONTWRITEBYTECODE stops only the interpreter's own
+    # writes): without it each process of every start compiles torch's sources again, seconds each
+    # (benchmarks/ping_time.py's --bytecode).
+    assert "--no-compile" not in lines and "PIP_NO_COMPILE" not in lines
