@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from fish_sm.engine.generate import HostCopy, WaitClock, batch_sizes, to_device
 from fish_sm.engine.pieces import PieceSchedule
 from fish_sm.errors import FishSMError
+from fish_sm.kernels.compile import rows_dynamic
 from fish_sm.model.codec import Codec
 from fish_sm.model.codec.layers import CausalConv1d, CausalConvTranspose1d, KVCache, State
 
@@ -311,8 +312,7 @@ class ConvBack(nn.Module):
         compiled where it is (one compiled graph for every batch size and piece length)."""
         if self.compiled is None:
             return self._step(latents, contexts)
-        for t in (latents, *contexts):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+        rows_dynamic(latents, *contexts)
         torch._dynamo.maybe_mark_dynamic(latents, 2)  # (a few range guards)
         if not self.warmed:
             return self.compiled(latents, contexts)

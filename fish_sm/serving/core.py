@@ -209,34 +209,34 @@ class Core:
         """The front end's word that the model directory may be read; an exit status if it said
         to shut down instead (0) or has gone (1)."""
         while True:
-            if self._commands.poll(POLL_MS):
-                try:
-                    command = ipc.decode_command(self._commands.recv_multipart())
-                except ipc.BadMessage as exc:
-                    logger.warning("%s: a message that is not a command was ignored (%s)", self.device, exc)
-                    continue
-                if isinstance(command, ipc.Verified):
-                    return command
-                if isinstance(command, ipc.Shutdown):
-                    self._stopping = True
-                    return 0
+            command = self._next_command()
+            if isinstance(command, ipc.Verified):
+                return command
+            if isinstance(command, ipc.Shutdown):
+                self._stopping = True
+                return 0
+            if command is not None:
                 logger.warning("%s: %s before the package was verified, ignored", self.device, type(command).__name__)
             elif self.parent is not None and os.getppid() != self.parent:
                 self._stopping = True  # nobody to tell
                 return 1
 
+    def _next_command(self) -> ipc.Command | None:
+        """The next command, waiting up to POLL_MS; None if none came (or a message that is not
+        one, which is logged and dropped)."""
+        if not self._commands.poll(POLL_MS):
+            return None
+        try:
+            return ipc.decode_command(self._commands.recv_multipart())
+        except ipc.BadMessage as exc:
+            logger.warning("%s: a message that is not a command was ignored (%s)", self.device, exc)
+            return None
+
     def _serve(self) -> int:
         """Commands until `Shutdown` (0), the engine's failure or the front end's death (1)."""
-        poller = zmq.Poller()
-        poller.register(self._commands, zmq.POLLIN)
         while True:
-            if poller.poll(POLL_MS):
-                frames = self._commands.recv_multipart()
-                try:
-                    command = ipc.decode_command(frames)
-                except ipc.BadMessage as exc:
-                    logger.warning("%s: a message that is not a command was ignored (%s)", self.device, exc)
-                    continue
+            command = self._next_command()
+            if command is not None:
                 if isinstance(command, ipc.Shutdown):
                     logger.info("%s: shutting down", self.device)
                     self._stopping = True
